@@ -1,0 +1,22 @@
+"""`python -m mars_jax.bench {step,sample} ...`: benchmarks that print their peer.
+
+  step    MARS train step vs AR-SFT step at equal (b, L); chunked vs naive loss memory
+  sample  MARS decoding vs our jitted AR loop vs transformers' generate
+"""
+
+import importlib
+import sys
+
+_COMMANDS = {"step": "mars_jax.benchmarks.step", "sample": "mars_jax.benchmarks.sample"}
+
+
+def main(argv=None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] not in _COMMANDS:
+    print(__doc__.strip())
+    sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+  importlib.import_module(_COMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,330 @@
+"""Hugging Face import and export: config.json, safetensors (single or sharded), tokenizer.
+
+Weight mapping (HF `Qwen2ForCausalLM` -> mars_jax params, see models/qwen2.py):
+
+  model.embed_tokens.weight [V, D]                   -> embedding [V, D]
+  model.layers.N.self_attn.{q,k,v}_proj.weight [H*d, D] -> layers/attn/{q,k,v}_kernel [N, D, H, d]
+  model.layers.N.self_attn.{q,k,v}_proj.bias [H*d]   -> layers/attn/{q,k,v}_bias [N, H, d]
+  model.layers.N.self_attn.o_proj.weight [D, H*d]    -> layers/attn/o_kernel [N, H, d, D]
+  model.layers.N.mlp.{gate,up}_proj.weight [I, D]    -> layers/mlp/{gate,up}_kernel [N, D, I]
+  model.layers.N.mlp.down_proj.weight [D, I]         -> layers/mlp/down_kernel [N, I, D]
+  model.layers.N.{input,post_attention}_layernorm.weight -> layers/{input,post}_norm/scale
+  model.norm.weight                                  -> final_norm/scale
+  lm_head.weight [V, D]                              -> lm_head [D, V]  (untied only)
+
+Only transposes and reshapes: RoPE uses HF's rotate-half layout on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mars_jax import safetensors_io as st
+from mars_jax.models.qwen2 import Qwen2Config
+
+MASK_TOKEN = "<|mask|>"
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  hf: str                           # HF name; "{i}" for the layer index
+  path: tuple[str, ...]             # path in the params tree (layer axis first if stacked)
+  hf_shape: Callable[[Qwen2Config], tuple[int, ...]]
+  to_ours: Callable[[np.ndarray, Qwen2Config], np.ndarray]
+  to_hf: Callable[[np.ndarray, Qwen2Config], np.ndarray]
+
+  @property
+  def per_layer(self) -> bool:
+    return "{i}" in self.hf
+
+
+def _qkv(name: str, heads: Callable[[Qwen2Config], int]) -> list[_Entry]:
+  proj = f"model.layers.{{i}}.self_attn.{name}_proj"
+  return [
+      _Entry(f"{proj}.weight", ("layers", "attn", f"{name}_kernel"),
+             lambda c: (heads(c) * c.head_dim, c.hidden_size),
+             lambda w, c: w.T.reshape(c.hidden_size, heads(c), c.head_dim),
+             lambda w, c: w.reshape(c.hidden_size, -1).T),
+      _Entry(f"{proj}.bias", ("layers", "attn", f"{name}_bias"),
+             lambda c: (heads(c) * c.head_dim,),
+             lambda w, c: w.reshape(heads(c), c.head_dim),
+             lambda w, c: w.reshape(-1)),
+  ]
+
+
+def _linear(hf: str, path: tuple[str, ...], out_dim, in_dim) -> _Entry:
+  return _Entry(hf, path, lambda c: (out_dim(c), in_dim(c)),
+                lambda w, c: w.T, lambda w, c: w.T)
+
+
+def _same(hf: str, path: tuple[str, ...], shape) -> _Entry:
+  return _Entry(hf, path, shape, lambda w, c: w, lambda w, c: w)
+
+
+def _entries(config: Qwen2Config) -> list[_Entry]:
+  """The HF <-> params table, in the order transformers writes tensors."""
+  d = lambda c: c.hidden_size  # noqa: E731
+  i = lambda c: c.intermediate_size  # noqa: E731
+  layer = "model.layers.{i}"
+  out = [_same("model.embed_tokens.weight", ("embedding",),
+               lambda c: (c.vocab_size, c.hidden_size))]
+  out += [
+      _same(f"{layer}.input_layernorm.weight", ("layers", "input_norm", "scale"),
+            lambda c: (c.hidden_size,)),
+      *_qkv("q", lambda c: c.num_attention_heads),
+      *_qkv("k", lambda c: c.num_key_value_heads),
+      *_qkv("v", lambda c: c.num_key_value_heads),
+      _Entry(f"{layer}.self_attn.o_proj.weight", ("layers", "attn", "o_kernel"),
+             lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
+             lambda w, c: w.T.reshape(c.num_attention_heads, c.head_dim, c.hidden_size),
+             lambda w, c: w.reshape(-1, c.hidden_size).T),
+      _same(f"{layer}.post_attention_layernorm.weight", ("layers", "post_norm", "scale"),
+            lambda c: (c.hidden_size,)),
+      _linear(f"{layer}.mlp.gate_proj.weight", ("layers", "mlp", "gate_kernel"), i, d),
+      _linear(f"{layer}.mlp.up_proj.weight", ("layers", "mlp", "up_kernel"), i, d),
+      _linear(f"{layer}.mlp.down_proj.weight", ("layers", "mlp", "down_kernel"), d, i),
+  ]
+  out.append(_same("model.norm.weight", ("final_norm", "scale"), lambda c: (c.hidden_size,)))
+  if not config.tie_word_embeddings:
+    out.append(_linear("lm_head.weight", ("lm_head",), lambda c: c.vocab_size, d))
+  return out
+
+
+def _tree_path(entry: _Entry, config: Qwen2Config, layer: int | None) -> tuple[str, ...]:
+  if layer is None or config.scan_layers:
+    return entry.path
+  return (f"layers_{layer}",) + entry.path[1:]
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+# ---- loading ------------------------------------------------------------------------
+
+
+def _check_dir(path: str) -> None:
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path}: no such model directory. Pass a local Hugging Face "
+                            "directory holding config.json and *.safetensors.")
+
+
+def _weight_files(path: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file path."""
+  index = os.path.join(path, _INDEX)
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not weight_map:
+      raise ValueError(f"{index}: no 'weight_map'; re-export the checkpoint.")
+    return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
+  single = os.path.join(path, _SINGLE)
+  if not os.path.isfile(single):
+    raise FileNotFoundError(f"{path}: neither {_SINGLE} nor {_INDEX} found; mars_jax reads "
+                            "safetensors weights only (convert .bin with transformers' "
+                            "save_pretrained(safe_serialization=True)).")
+  return {name: single for name in st.SafetensorsFile(single).keys()}
+
+
+def load_pretrained(path: str, *, dtype=jnp.float32, **runtime) -> tuple[Qwen2Config, Any]:
+  """Loads a local HF Qwen2 directory -> (config, params).
+
+  Reads tensor by tensor from memory-mapped safetensors and casts on the way into
+  preallocated stacked arrays, so at most one parameter's host copy is alive next to
+  the device params. `runtime` overrides runtime config fields (attention_impl, ...).
+  """
+  _check_dir(path)
+  dtype_name = jnp.dtype(dtype).name
+  config = Qwen2Config.from_json_file(os.path.join(path, "config.json"),
+                                      param_dtype=dtype_name, **runtime)
+  files = _weight_files(path)
+  opened: dict[str, st.SafetensorsFile] = {}
+  np_dt = st.np_dtype(dtype_name)
+  entries = _entries(config)
+  expected = set()
+  params: dict = {}
+
+  def read(name: str) -> np.ndarray:
+    if name not in files:
+      raise ValueError(f"{path}: tensor {name!r} is missing from the checkpoint; it does "
+                       "not match config.json (tie_word_embeddings? num_hidden_layers?).")
+    fn = files[name]
+    if fn not in opened:
+      if not os.path.isfile(fn):
+        raise FileNotFoundError(f"{fn}: listed in {_INDEX} but missing.")
+      opened[fn] = st.SafetensorsFile(fn)
+    return opened[fn].get(name)
+
+  for e in entries:
+    layers = range(config.num_hidden_layers) if e.per_layer else [None]
+    stacked = None
+    for layer in layers:
+      name = e.hf.format(i=layer)
+      expected.add(name)
+      w = read(name)
+      if tuple(w.shape) != e.hf_shape(config):
+        raise ValueError(f"{files[name]}: tensor {name} has shape {tuple(w.shape)}, "
+                         f"config.json implies {e.hf_shape(config)}; the weights and "
+                         "config.json disagree.")
+      w = e.to_ours(w, config).astype(np_dt)
+      if layer is not None and config.scan_layers:
+        if stacked is None:
+          stacked = np.empty((config.num_hidden_layers,) + w.shape, np_dt)
+        stacked[layer] = w
+      else:
+        _set(params, _tree_path(e, config, layer), jnp.asarray(w))
+    if stacked is not None:
+      _set(params, e.path, jnp.asarray(stacked))
+      del stacked
+  extra = sorted(n for n in files if n not in expected
+                 and not n.endswith(_IGNORED_SUFFIXES)
+                 and not (n == "lm_head.weight" and config.tie_word_embeddings))
+  if extra:
+    raise ValueError(f"{path}: unexpected tensors {extra[:5]}{'...' if len(extra) > 5 else ''}"
+                     f" not used by {config.num_hidden_layers}-layer Qwen2; config.json and "
+                     "the weights disagree.")
+  return config, params
+
+
+# ---- saving -------------------------------------------------------------------------
+
+
+def _hf_tensors(config: Qwen2Config, params, np_dt):
+  """Yields (hf_name, host array) one tensor at a time."""
+  for e in _entries(config):
+    layers = range(config.num_hidden_layers) if e.per_layer else [None]
+    for layer in layers:
+      leaf = _get(params, _tree_path(e, config, layer))
+      if layer is not None and config.scan_layers:
+        leaf = leaf[layer]
+      yield e.hf.format(i=layer), e.to_hf(np.asarray(jax.device_get(leaf)), config).astype(np_dt)
+
+
+def _tensor_bytes(config: Qwen2Config, itemsize: int) -> list[tuple[str, int]]:
+  out = []
+  for e in _entries(config):
+    layers = range(config.num_hidden_layers) if e.per_layer else [None]
+    n = int(np.prod(e.hf_shape(config))) * itemsize
+    out += [(e.hf.format(i=layer), n) for layer in layers]
+  return out
+
+
+def _parse_size(size: int | str) -> int:
+  if isinstance(size, int):
+    return size
+  units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+  s = size.strip().upper()
+  for u in sorted(units, key=len, reverse=True):
+    if s.endswith(u):
+      return int(float(s[: -len(u)]) * units[u])
+  return int(s)
+
+
+def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
+                    max_shard_size: int | str = "5GB", dtype: str | None = None,
+                    progress: bool = False) -> None:
+  """Writes an HF directory loadable by `Qwen2ForCausalLM.from_pretrained`.
+
+  Shards of at most `max_shard_size` bytes (plus an index) or one `model.safetensors`;
+  config.json, generation_config.json, and the tokenizer files when given. Tied
+  embeddings write no `lm_head.weight`. Written to a temporary sibling directory and
+  renamed into place, so an interrupted export never leaves a half-written `path`.
+  """
+  dtype = dtype or config.param_dtype
+  np_dt = st.np_dtype(dtype)
+  limit = _parse_size(max_shard_size)
+  sizes = _tensor_bytes(config, np_dt.itemsize)
+  shards: list[list[str]] = [[]]
+  used = 0
+  for name, n in sizes:
+    if shards[-1] and used + n > limit:
+      shards.append([])
+      used = 0
+    shards[-1].append(name)
+    used += n
+  parent = os.path.dirname(os.path.abspath(path)) or "."
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+  try:
+    names = ([_SINGLE] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    weight_map = {}
+    tensors = _hf_tensors(config, params, np_dt)
+    bar = _progress(len(sizes), progress)
+    for fn, shard in zip(names, shards):
+      batch = []
+      for _ in shard:
+        batch.append(next(tensors))
+        bar.update(1)
+      st.write(os.path.join(tmp, fn), batch)
+      weight_map.update({n: fn for n, _ in batch})
+      del batch
+    bar.close()
+    if len(shards) > 1:
+      with open(os.path.join(tmp, _INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": sum(n for _, n in sizes)},
+                   "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(config.to_hf_dict(torch_dtype=dtype), f, indent=2)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+      json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf_dict()[
+          "eos_token_id"], "do_sample": False}, f, indent=2)
+    if tokenizer is not None:
+      tokenizer.save_pretrained(tmp)
+    if os.path.exists(path):
+      shutil.rmtree(path)
+    os.rename(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _progress(total: int, enabled: bool):
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm(total=total, desc="export", unit="tensor", disable=not enabled)
+
+
+# ---- tokenizer ----------------------------------------------------------------------
+
+
+def load_tokenizer(path: str, vocab_size: int | None = None):
+  """`AutoTokenizer` from an HF directory, with `<|mask|>` added as a special token.
+
+  The mask token takes a spare embedding row: its id must be < `vocab_size` (the
+  checkpoint's, read from config.json when not given), which is kept unchanged.
+  Returns (tokenizer, mask_token_id).
+  """
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  _check_dir(path)
+  if vocab_size is None:
+    vocab_size = Qwen2Config.from_json_file(os.path.join(path, "config.json")).vocab_size
+  tok = AutoTokenizer.from_pretrained(path)
+  if MASK_TOKEN not in tok.get_vocab():
+    tok.add_tokens([MASK_TOKEN], special_tokens=True)
+  mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
+  if mask_id >= vocab_size:
+    raise ValueError(
+        f"{path}: no spare embedding row for {MASK_TOKEN}: the tokenizer already has "
+        f"{len(tok) - 1} tokens and the checkpoint's vocab_size is {vocab_size}. Resize the "
+        "embeddings (e.g. transformers' resize_token_embeddings) before fine-tuning.")
+  return tok, mask_id

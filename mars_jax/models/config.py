@@ -1,0 +1,194 @@
+"""Qwen2 / Qwen2.5 model configuration: HF config.json in and out, published presets.
+
+`Qwen2Config` is a frozen (hashable) dataclass, so it can be a static argument of
+`jax.jit`. Architecture fields mirror Hugging Face's `config.json`; the runtime
+fields (`param_dtype`, `dtype`, `attention_impl`, `remat`, `scan_layers`) choose
+how the same weights are computed and never change what a checkpoint means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+ARCHITECTURE = "Qwen2ForCausalLM"
+ATTENTION_IMPLS = ("xla", "dot_product_attention", "cudnn")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  """Shapes of a Qwen2 decoder plus how to run it.
+
+  Attributes beyond HF's: `param_dtype` (storage of weights), `dtype` (compute of
+  activations; norms, softmax and logits stay float32), `attention_impl`
+  ("xla" einsum, "dot_product_attention" = `jax.nn.dot_product_attention` with
+  automatic backend choice, "cudnn" = force the cuDNN fused kernel on GPU),
+  `remat` (rematerialisation policy of each decoder layer), `scan_layers`.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int | None = None
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  max_position_embeddings: int = 32768
+  tie_word_embeddings: bool = False
+  bos_token_id: int | None = 151643
+  eos_token_id: int | tuple[int, ...] | None = 151645
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  attention_impl: str = "xla"
+  remat: str = "none"
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      if self.hidden_size % self.num_attention_heads:
+        raise ValueError(
+            f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+            f"{self.num_attention_heads}; set head_dim explicitly.")
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+          f"num_key_value_heads {self.num_key_value_heads}.")
+    if isinstance(self.eos_token_id, list):
+      object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    for name, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES),
+                          ("attention_impl", ATTENTION_IMPLS), ("remat", REMAT_POLICIES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(allowed)}.")
+
+  @property
+  def jnp_param_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  @property
+  def jnp_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    if self.eos_token_id is None:
+      return ()
+    if isinstance(self.eos_token_id, int):
+      return (self.eos_token_id,)
+    return tuple(self.eos_token_id)
+
+  def replace(self, **kwargs) -> "Qwen2Config":
+    return dataclasses.replace(self, **kwargs)
+
+  # ---- Hugging Face config.json ------------------------------------------------
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json",
+                   **runtime) -> "Qwen2Config":
+    """Builds a config from an HF config dict (transformers 4 or 5 layout)."""
+    archs = d.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in archs and d.get("model_type") != "qwen2":
+      raise ValueError(
+          f"{source}: architectures={archs}, model_type={d.get('model_type')!r}; mars_jax "
+          f"only supports {ARCHITECTURE} (Qwen2 / Qwen2.5). Point to a Qwen2 checkpoint.")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+      raise ValueError(f"{source}: rope_type={rope_type!r} is not supported; only the "
+                       "default RoPE (no scaling) is implemented.")
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if d.get("use_sliding_window", False):
+      raise ValueError(f"{source}: use_sliding_window=true is not supported; Qwen2.5 "
+                       "checkpoints ship with it disabled.")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                           "num_hidden_layers", "num_attention_heads") if k not in d]
+    if missing:
+      raise ValueError(f"{source}: missing required keys {missing}.")
+    return cls(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim"),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
+        **runtime,
+    )
+
+  @classmethod
+  def from_json_file(cls, path: str, **runtime) -> "Qwen2Config":
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{path}: no config.json; an HF model directory needs one.")
+    with open(path) as f:
+      try:
+        d = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}).") from e
+    return cls.from_hf_dict(d, source=path, **runtime)
+
+  def to_hf_dict(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
+    """The config.json transformers writes for Qwen2ForCausalLM (both rope keys)."""
+    eos = self.eos_token_id
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen2",
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads,
+        "head_dim": self.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        "max_position_embeddings": self.max_position_embeddings,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "dtype": torch_dtype or self.param_dtype,
+        "use_cache": True,
+    }
+
+
+def _preset(hidden, inter, layers, heads, kv, tie, vocab=151936, **kw):
+  return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+              num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=kv, tie_word_embeddings=tie, **kw)
+
+
+# Shapes of the published Qwen2.5-*-Instruct config.json files.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": _preset(896, 4864, 24, 14, 2, True),
+    "qwen2.5-1.5b": _preset(1536, 8960, 28, 12, 2, True),
+    "qwen2.5-3b": _preset(2048, 11008, 36, 16, 2, True),
+    "qwen2.5-7b": _preset(3584, 18944, 28, 28, 4, False, vocab=152064),
+    "qwen2.5-14b": _preset(5120, 13824, 48, 40, 8, False, vocab=152064),
+    "qwen2.5-32b": _preset(5120, 27648, 64, 40, 8, False, vocab=152064),
+    "qwen2.5-72b": _preset(8192, 29568, 80, 64, 8, False, vocab=152064),
+}
+
+
+def preset(name: str, **overrides) -> Qwen2Config:
+  """A published Qwen2.5 shape by name (e.g. "qwen2.5-7b"), with overrides."""
+  key = name.lower()
+  if key not in PRESETS:
+    raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+  return Qwen2Config(**{**PRESETS[key], **overrides})

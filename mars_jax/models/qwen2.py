@@ -1,0 +1,297 @@
+"""Qwen2 / Qwen2.5 decoder in Flax linen, with a pure `forward` and a KV-cache path.
+
+Parameter tree (layers stacked on a leading axis when `config.scan_layers`):
+
+  embedding                      [vocab, embed]
+  layers/input_norm/scale        [L, embed]
+  layers/attn/{q,k,v}_kernel     [L, embed, heads|kv_heads, head_dim]
+  layers/attn/{q,k,v}_bias       [L, heads|kv_heads, head_dim]
+  layers/attn/o_kernel           [L, heads, head_dim, embed]
+  layers/post_norm/scale         [L, embed]
+  layers/mlp/{gate,up}_kernel    [L, embed, mlp]
+  layers/mlp/down_kernel         [L, mlp, embed]
+  final_norm/scale               [embed]
+  lm_head                        [embed, vocab]   (absent when embeddings are tied)
+
+Every weight carries logical axis names (`layers`, `vocab`, `embed`, `heads`,
+`kv_heads`, `head_dim`, `mlp`, `norm`) that `mars_jax.sharding` maps to mesh axes.
+Without scan the layers are `layers_0 .. layers_{L-1}` with the same leaves
+minus the leading axis.
+
+KV cache (see `init_cache`): `{"k", "v"}: [L, b, max_len, kv_heads, head_dim]`.
+A cached call writes the new K/V of token `j` of sample `i` at cache slot
+`write_index[i, j]` (an index `>= max_len` drops the write) and then lets each
+query attend to the cache slots its mask row allows:
+
+  cache slot      0 1 2 3 4 5 6 7        attn_mask[i, j, s], True = may attend
+  query j=0 (p=5) 1 1 1 1 1 1 . .        RoPE positions are passed separately
+  query j=1 (p=6) 1 1 1 1 1 1 1 .        from write indices (`positions`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mars_jax.models.config import PRESETS, Qwen2Config, preset  # noqa: F401  (re-exported)
+
+Array = jax.Array
+Cache = dict[str, Array]
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
+  init = init or nn.initializers.normal(0.02)
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  """y = x / rms(x) * scale, computed in float32 (as HF), cast back to x.dtype."""
+  config: Qwen2Config
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = _param(self, "scale", (x.shape[-1],), ("norm",), self.config.jnp_param_dtype,
+                   nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
+                              + self.config.rms_norm_eps)
+    return (scale.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """Rotate-half RoPE tables. positions: int32[b, t] -> cos, sin: float32[b, t, head_dim]."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """x: [b, t, heads, head_dim]; cos, sin: [b, t, head_dim] (HF rotate-half layout)."""
+  half = x.shape[-1] // 2
+  x32 = x.astype(jnp.float32)
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+  return out.astype(x.dtype)
+
+
+def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
+  """Grouped-query attention.
+
+  q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: bool[b, t, s] -> [b, t, heads, d].
+  A query whose mask row is all False gets a uniform average instead of NaN.
+  """
+  if impl != "xla":
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask[:, None], implementation="cudnn" if impl == "cudnn" else None)
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                      preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, d)
+
+
+class Attention(nn.Module):
+  config: Qwen2Config
+
+  def _proj(self, x, name, heads, heads_axis):
+    c = self.config
+    kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, c.head_dim),
+                    ("embed", heads_axis, "head_dim"), c.jnp_param_dtype)
+    bias = _param(self, f"{name}_bias", (heads, c.head_dim), (heads_axis, "head_dim"),
+                  c.jnp_param_dtype, nn.initializers.zeros)
+    return (jnp.einsum("bte,ehd->bthd", x, kernel.astype(c.jnp_dtype))
+            + bias.astype(c.jnp_dtype))
+
+  @nn.compact
+  def __call__(self, x, cos, sin, mask, layer_cache=None, write_index=None):
+    c = self.config
+    q = apply_rope(self._proj(x, "q", c.num_attention_heads, "heads"), cos, sin)
+    k = apply_rope(self._proj(x, "k", c.num_key_value_heads, "kv_heads"), cos, sin)
+    v = self._proj(x, "v", c.num_key_value_heads, "kv_heads")
+    if layer_cache is not None:
+      rows = jnp.arange(x.shape[0])[:, None]
+      k_all = layer_cache["k"].at[rows, write_index].set(k.astype(layer_cache["k"].dtype),
+                                                          mode="drop")
+      v_all = layer_cache["v"].at[rows, write_index].set(v.astype(layer_cache["v"].dtype),
+                                                          mode="drop")
+      layer_cache = {"k": k_all, "v": v_all}
+      k, v = k_all.astype(c.jnp_dtype), v_all.astype(c.jnp_dtype)
+    out = attention(q, k, v, mask, c.attention_impl)
+    o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
+                      ("heads", "head_dim", "embed"), c.jnp_param_dtype)
+    return jnp.einsum("bthd,hde->bte", out, o_kernel.astype(c.jnp_dtype)), layer_cache
+
+
+class MLP(nn.Module):
+  config: Qwen2Config
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    gate = _param(self, "gate_kernel", (c.hidden_size, c.intermediate_size),
+                  ("embed", "mlp"), c.jnp_param_dtype)
+    up = _param(self, "up_kernel", (c.hidden_size, c.intermediate_size),
+                ("embed", "mlp"), c.jnp_param_dtype)
+    down = _param(self, "down_kernel", (c.intermediate_size, c.hidden_size),
+                  ("mlp", "embed"), c.jnp_param_dtype)
+    dt = c.jnp_dtype
+    h = nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    return h @ down.astype(dt)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block. Call signature matches `nn.scan`: (carry, layer_cache) -> (carry, cache)."""
+  config: Qwen2Config
+
+  @nn.compact
+  def __call__(self, x, layer_cache, cos, sin, mask, write_index):
+    h, layer_cache = Attention(self.config, name="attn")(
+        RMSNorm(self.config, name="input_norm")(x), cos, sin, mask, layer_cache, write_index)
+    x = x + h
+    x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_norm")(x))
+    return x, layer_cache
+
+
+class Qwen2ForCausalLM(nn.Module):
+  config: Qwen2Config
+
+  def setup(self):
+    c = self.config
+    self.embedding = self.param(
+        "embedding", nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                  ("vocab", "embed")),
+        (c.vocab_size, c.hidden_size), c.jnp_param_dtype)
+    layer = DecoderLayer
+    if c.remat != "none":
+      layer = nn.remat(layer, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      self.layers = nn.scan(
+          layer, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+          length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"},
+      )(c, name="layers")
+    else:
+      self.layers = [layer(c, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+    self.final_norm = RMSNorm(c, name="final_norm")
+    if not c.tie_word_embeddings:
+      self.lm_head = self.param(
+          "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                  ("embed", "vocab")),
+          (c.hidden_size, c.vocab_size), c.jnp_param_dtype)
+
+  def hidden(self, tokens, positions, attn_mask, cache=None, write_index=None):
+    """Final-normed hidden states [b, t, embed] (compute dtype) and the updated cache."""
+    c = self.config
+    x = jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    if c.scan_layers:
+      x, cache = self.layers(x, cache, cos, sin, attn_mask, write_index)
+    else:
+      new = []
+      for i, layer in enumerate(self.layers):
+        layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)
+        x, layer_cache = layer(x, layer_cache, cos, sin, attn_mask, write_index)
+        new.append(layer_cache)
+      if cache is not None:
+        cache = jax.tree.map(lambda *a: jnp.stack(a), *new)
+    return self.final_norm(x), cache
+
+  def unembed(self, hidden):
+    """hidden: [..., embed] -> float32 logits [..., vocab]."""
+    w = self.embedding.T if self.config.tie_word_embeddings else self.lm_head
+    return jnp.einsum("...e,ev->...v", hidden, w.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions, attn_mask, cache=None, write_index=None):
+    hidden, cache = self.hidden(tokens, positions, attn_mask, cache, write_index)
+    return self.unembed(hidden), cache
+
+
+# ---- pure functional API ---------------------------------------------------------
+
+
+def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
+            attn_mask: Array) -> Array:
+  """Logits of a full (uncached) pass.
+
+  tokens, positions: int32[b, t]; attn_mask: bool[b, t, t] (True = may attend)
+  -> float32[b, t, vocab].
+  """
+  logits, _ = Qwen2ForCausalLM(config).apply({"params": params}, tokens, positions, attn_mask)
+  return logits
+
+
+def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
+                   attn_mask: Array) -> Array:
+  """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses)."""
+  hidden, _ = Qwen2ForCausalLM(config).apply(
+      {"params": params}, tokens, positions, attn_mask, method="hidden")
+  return hidden
+
+
+def unembed(config: Qwen2Config, params, hidden: Array) -> Array:
+  """hidden: [..., embed] -> float32 logits [..., vocab] (tied or separate head)."""
+  return Qwen2ForCausalLM(config).apply({"params": params}, hidden, method="unembed")
+
+
+def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
+                   cache: Cache, write_index: Array, attn_mask: Array) -> tuple[Array, Cache]:
+  """One cached step: write K/V of `tokens` into the cache, attend over the cache.
+
+  tokens, positions, write_index: int32[b, t] (write_index >= max_len drops the write);
+  cache: {"k","v"}: [layers, b, max_len, kv_heads, head_dim];
+  attn_mask: bool[b, t, max_len] over cache slots *after* this step's writes.
+  -> (float32 logits [b, t, vocab], updated cache).
+  """
+  return Qwen2ForCausalLM(config).apply(
+      {"params": params}, tokens, positions, attn_mask, cache, write_index)
+
+
+def init_cache(config: Qwen2Config, batch: int, max_len: int, dtype=None) -> Cache:
+  """Zeroed KV cache {"k","v"}: [layers, batch, max_len, kv_heads, head_dim]."""
+  shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
+           config.head_dim)
+  dtype = dtype or config.jnp_dtype
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _dummy_inputs(config: Qwen2Config):
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return tokens, tokens, jnp.ones((1, 1, 1), bool)
+
+
+def abstract_params(config: Qwen2Config, *, boxed: bool = False) -> Any:
+  """ShapeDtypeStructs of the params, allocating nothing (boxed: with logical axes)."""
+  out = jax.eval_shape(
+      lambda: Qwen2ForCausalLM(config).init(jax.random.key(0), *_dummy_inputs(config)))
+  return out["params"] if boxed else nn.meta.unbox(out["params"])
+
+
+def logical_axes(config: Qwen2Config) -> Any:
+  """Pytree of `PartitionSpec`s of logical axis names, matching the params tree."""
+  return nn.get_partition_spec(abstract_params(config, boxed=True))
+
+
+def init_params(config: Qwen2Config, rng: Array) -> Any:
+  """Random params (normal(0.02) weights, zero biases, unit norms)."""
+  variables = Qwen2ForCausalLM(config).init(rng, *_dummy_inputs(config))
+  return nn.meta.unbox(variables["params"])
+
+
+def num_params(tree: Any) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(tree))
+

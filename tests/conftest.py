@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random Qwen2 checkpoints written by transformers itself."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def make_hf_model(path, *, tie=True, num_kv_heads=2, num_heads=4, hidden=64, layers=2,
+                  vocab=128, intermediate=96, seed=0, rope_theta=10000.0):
+  """Saves a random `Qwen2ForCausalLM` (transformers' own init) to `path`; returns it."""
+  import torch
+  import transformers
+
+  torch.manual_seed(seed)
+  cfg = transformers.Qwen2Config(
+      vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+      num_hidden_layers=layers, num_attention_heads=num_heads,
+      num_key_value_heads=num_kv_heads, max_position_embeddings=256,
+      rope_theta=rope_theta, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+  model = transformers.Qwen2ForCausalLM(cfg).eval()
+  # transformers initialises biases to zero; make them random so a bias bug shows.
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias") or "norm" in name:
+        p.add_(torch.randn_like(p) * 0.1)
+  model.save_pretrained(path)
+  return model
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tmp_path_factory):
+  """Factory: hf_tiny(**kwargs) -> (dir, torch model), cached per kwargs."""
+  cache = {}
+
+  def get(**kwargs):
+    key = tuple(sorted(kwargs.items()))
+    if key not in cache:
+      path = tmp_path_factory.mktemp("hf_tiny")
+      cache[key] = (str(path), make_hf_model(str(path), **kwargs))
+    return cache[key]
+
+  return get

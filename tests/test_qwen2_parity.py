@@ -1,0 +1,131 @@
+"""The Flax Qwen2 equals transformers' PyTorch Qwen2 (float32, 1e-4)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from mars_jax import hf
+from mars_jax.models import qwen2
+
+TOL = 1e-4
+
+
+def torch_logits(model, tokens, positions, mask):
+  """transformers' logits under an explicit boolean mask [b, t, t] (eager attention)."""
+  add = torch.zeros(mask.shape, dtype=torch.float32)
+  add[~torch.from_numpy(np.asarray(mask))] = torch.finfo(torch.float32).min
+  model.config._attn_implementation = "eager"
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(np.asarray(tokens)).long(),
+                position_ids=torch.from_numpy(np.asarray(positions)).long(),
+                attention_mask=add[:, None])
+  return out.logits.numpy()
+
+
+def causal(b, t):
+  return np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+
+
+@pytest.mark.parametrize("tie,kv", [(True, 2), (False, 2), (True, 1), (False, 4)])
+def test_logits_match_transformers(hf_tiny, tie, kv):
+  path, model = hf_tiny(tie=tie, num_kv_heads=kv)
+  config, params = hf.load_pretrained(path)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 128, (2, 12)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
+  mask = causal(2, 12)
+  ours = np.asarray(qwen2.forward(config, params, tokens, positions, mask))
+  ref = torch_logits(model, tokens, positions, mask)
+  np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+
+
+def test_right_padded_batch(hf_tiny):
+  path, model = hf_tiny(tie=True, num_kv_heads=2)
+  config, params = hf.load_pretrained(path)
+  rng = np.random.default_rng(1)
+  lengths = [10, 6, 3]
+  t = 10
+  tokens = rng.integers(0, 128, (3, t)).astype(np.int32)
+  tokens[1, 6:] = 0  # id 0 is a real token: padding comes only from the mask
+  valid = np.arange(t)[None] < np.array(lengths)[:, None]
+  mask = causal(3, t) & valid[:, None, :] & valid[:, :, None]
+  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (3, t))
+  ours = np.asarray(qwen2.forward(config, params, tokens, positions, mask))
+  for i, n in enumerate(lengths):
+    ref = torch_logits(model, tokens[i:i + 1, :n], positions[i:i + 1, :n], causal(1, n))
+    np.testing.assert_allclose(ours[i, :n], ref[0], atol=TOL, rtol=0)
+
+
+def test_arbitrary_mask_and_offset_positions(hf_tiny):
+  path, model = hf_tiny(tie=False, num_kv_heads=2)
+  config, params = hf.load_pretrained(path)
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(0, 128, (2, 9)).astype(np.int32)
+  positions = (np.arange(9, dtype=np.int32)[None] + np.array([[17], [3]])).astype(np.int32)
+  mask = rng.random((2, 9, 9)) < 0.5
+  mask[:, np.arange(9), np.arange(9)] = True  # every query sees at least itself
+  ours = np.asarray(qwen2.forward(config, params, tokens, positions, mask))
+  ref = torch_logits(model, tokens, positions, mask)
+  np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["dot_product_attention"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_runtime_variants_equal(hf_tiny, impl, scan):
+  path, _ = hf_tiny(tie=True, num_kv_heads=2)
+  config, params = hf.load_pretrained(path)
+  other_cfg, other_params = hf.load_pretrained(path, attention_impl=impl, scan_layers=scan,
+                                               remat="full")
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, 128, (2, 8)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
+  a = qwen2.forward(config, params, tokens, positions, causal(2, 8))
+  b = qwen2.forward(other_cfg, other_params, tokens, positions, causal(2, 8))
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+def test_cached_steps_equal_full_forward(hf_tiny):
+  """Prefill then token-by-token cached steps give the full forward's logits and K/V."""
+  path, _ = hf_tiny(tie=True, num_kv_heads=2)
+  config, params = hf.load_pretrained(path)
+  rng = np.random.default_rng(4)
+  b, t, prefill, max_len = 2, 10, 4, 16
+  tokens = rng.integers(0, 128, (b, t)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  full = np.asarray(qwen2.forward(config, params, tokens, positions, causal(b, t)))
+  cache = qwen2.init_cache(config, b, max_len)
+  slots = np.arange(max_len)
+  logits, cache = qwen2.forward_cached(
+      config, params, tokens[:, :prefill], positions[:, :prefill], cache,
+      positions[:, :prefill], slots[None, None, :] <= positions[:, :prefill, None])
+  got = [np.asarray(logits)]
+  for s in range(prefill, t):
+    mask = slots[None, None, :] <= s
+    logits, cache = qwen2.forward_cached(
+        config, params, tokens[:, s:s + 1], positions[:, s:s + 1], cache,
+        positions[:, s:s + 1], np.broadcast_to(mask, (b, 1, max_len)))
+    got.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(got, 1), full, atol=TOL, rtol=0)
+  # a dropped write (index >= max_len) leaves the cache untouched
+  _, same = qwen2.forward_cached(
+      config, params, tokens[:, :1], positions[:, :1], cache,
+      np.full((b, 1), max_len, np.int32), np.ones((b, 1, max_len), bool))
+  np.testing.assert_array_equal(np.asarray(same["k"]), np.asarray(cache["k"]))
+
+
+@pytest.mark.parametrize("name,expected", [("qwen2.5-0.5b", 494_032_768),
+                                           ("qwen2.5-7b", 7_615_616_512)])
+def test_preset_param_counts(name, expected):
+  n = qwen2.num_params(qwen2.abstract_params(qwen2.preset(name)))
+  assert n == expected
+
+
+def test_logical_axes_cover_every_weight():
+  config = qwen2.preset("qwen2.5-0.5b", num_hidden_layers=2, tie_word_embeddings=False)
+  shapes = qwen2.abstract_params(config)
+  axes = qwen2.logical_axes(config)
+  import jax
+  for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
+      axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+    assert len(spec) == len(shape.shape) and all(a is not None for a in spec)

@@ -14,7 +14,7 @@ TOL = 1e-4
 def torch_logits(model, tokens, positions, mask):
   """transformers' logits under an explicit boolean mask [b, t, t] (eager attention)."""
   add = torch.zeros(mask.shape, dtype=torch.float32)
-  add[~torch.from_numpy(np.asarray(mask))] = torch.finfo(torch.float32).min
+  add[~torch.from_numpy(np.array(mask))] = torch.finfo(torch.float32).min
   model.config._attn_implementation = "eager"
   with torch.no_grad():
     out = model(input_ids=torch.from_numpy(np.asarray(tokens)).long(),

@@ -1,0 +1,197 @@
+"""HF import/export: round trips, sharding, tokenizer `<|mask|>`, and clear errors."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mars_jax import hf
+from mars_jax.models import qwen2
+
+
+def _logits_torch(model, tokens):
+  with torch.no_grad():
+    return model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+
+
+def _causal_forward(config, params, tokens):
+  b, t = tokens.shape
+  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  mask = np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
+  return np.asarray(qwen2.forward(config, params, tokens, positions, mask))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_loads_in_transformers(hf_tiny, tmp_path, tie):
+  path, _ = hf_tiny(tie=tie)
+  config, params = hf.load_pretrained(path)
+  out = str(tmp_path / "export")
+  hf.save_pretrained(config, params, out)
+  assert ("lm_head.weight" in hf.st.SafetensorsFile(os.path.join(out, "model.safetensors"))
+          .keys()) == (not tie)
+  model = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
+  tokens = np.random.default_rng(0).integers(0, 128, (2, 10)).astype(np.int32)
+  np.testing.assert_allclose(_logits_torch(model, tokens),
+                             _causal_forward(config, params, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_save_load_bitwise(hf_tiny, tmp_path, scan):
+  path, _ = hf_tiny(tie=False)
+  config, params = hf.load_pretrained(path, scan_layers=scan)
+  out = str(tmp_path / "rt")
+  hf.save_pretrained(config, params, out)
+  config2, params2 = hf.load_pretrained(out, scan_layers=scan)
+  assert config2 == config
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               params, params2)
+
+
+def test_multi_shard_export(hf_tiny, tmp_path):
+  path, model = hf_tiny(tie=False)
+  config, params = hf.load_pretrained(path)
+  out = str(tmp_path / "sharded")
+  hf.save_pretrained(config, params, out, max_shard_size=40_000)
+  index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+  assert len(set(index["weight_map"].values())) > 2
+  assert not os.path.exists(os.path.join(out, "model.safetensors"))
+  _, params2 = hf.load_pretrained(out)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               params, params2)
+  reloaded = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
+  tokens = np.arange(12, dtype=np.int32)[None]
+  np.testing.assert_allclose(_logits_torch(reloaded, tokens), _logits_torch(model, tokens),
+                             atol=1e-5, rtol=0)
+
+
+def test_bfloat16_load_and_export(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  config, params = hf.load_pretrained(path, dtype="bfloat16")
+  assert config.param_dtype == "bfloat16"
+  assert all(x.dtype.name == "bfloat16" for x in jax.tree.leaves(params))
+  out = str(tmp_path / "bf16")
+  hf.save_pretrained(config, params, out)
+  assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+  model = transformers.Qwen2ForCausalLM.from_pretrained(out)
+  assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_config_accepts_rope_theta_and_rope_parameters(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  d = json.load(open(os.path.join(path, "config.json")))
+  new = dict(d)
+  new.pop("rope_parameters", None)
+  new["rope_theta"] = 12345.0
+  old_style = qwen2.Qwen2Config.from_hf_dict(new)
+  assert old_style.rope_theta == 12345.0
+  new.pop("rope_theta")
+  new["rope_parameters"] = {"rope_type": "default", "rope_theta": 777.0}
+  assert qwen2.Qwen2Config.from_hf_dict(new).rope_theta == 777.0
+  rt = qwen2.Qwen2Config.from_hf_dict(old_style.to_hf_dict())
+  assert rt == old_style
+
+
+def _write_tokenizer(path, n_tokens):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  vocab = {f"t{i}": i for i in range(n_tokens)}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+  fast.save_pretrained(path)
+
+
+def config_vocab(path):
+  return json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+
+
+def test_tokenizer_mask_token_takes_spare_row(hf_tiny, tmp_path):
+  path, model = hf_tiny(tie=True)
+  d = str(tmp_path / "with_tok")
+  shutil.copytree(path, d)
+  _write_tokenizer(d, 100)
+  tok, mask_id = hf.load_tokenizer(d)
+  assert mask_id == len(tok) - 1 < config_vocab(d) and tok.convert_ids_to_tokens(mask_id) == hf.MASK_TOKEN
+  config, params = hf.load_pretrained(d)
+  assert config.vocab_size == 128
+  out = str(tmp_path / "export_tok")
+  hf.save_pretrained(config, params, out, tokenizer=tok)
+  tok2, mask_id2 = hf.load_tokenizer(out)
+  assert mask_id2 == mask_id and len(tok2) == len(tok)
+  assert transformers.AutoTokenizer.from_pretrained(out).convert_tokens_to_ids(
+      hf.MASK_TOKEN) == mask_id
+
+
+def test_tokenizer_without_spare_row_fails(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  d = str(tmp_path / "full_tok")
+  shutil.copytree(path, d)
+  _write_tokenizer(d, 128)
+  with pytest.raises(ValueError, match="no spare embedding row"):
+    hf.load_tokenizer(d)
+
+
+# ---- bad input ----------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no such model directory"):
+    hf.load_pretrained(str(tmp_path / "nope"))
+
+
+def test_missing_config(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  d = str(tmp_path / "noconf")
+  shutil.copytree(path, d)
+  os.remove(os.path.join(d, "config.json"))
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    hf.load_pretrained(d)
+
+
+def test_wrong_architecture(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  d = str(tmp_path / "llama")
+  shutil.copytree(path, d)
+  cfg = json.load(open(os.path.join(d, "config.json")))
+  cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
+  json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+  with pytest.raises(ValueError, match=r"config.json.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+    hf.load_pretrained(d)
+
+
+def test_truncated_safetensors(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  d = str(tmp_path / "trunc")
+  shutil.copytree(path, d)
+  f = os.path.join(d, "model.safetensors")
+  size = os.path.getsize(f)
+  with open(f, "r+b") as fh:
+    fh.truncate(size // 2)
+  with pytest.raises(ValueError, match=r"model.safetensors: truncated"):
+    hf.load_pretrained(d)
+
+
+def test_wrong_tensor_shape(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  d = str(tmp_path / "shape")
+  shutil.copytree(path, d)
+  cfg = json.load(open(os.path.join(d, "config.json")))
+  cfg["intermediate_size"] = 80
+  json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+  with pytest.raises(ValueError, match=r"model.safetensors: tensor model.layers.0.mlp.gate_proj"
+                     r".weight has shape \(96, 64\), config.json implies \(80, 64\)"):
+    hf.load_pretrained(d)
+
+
+def test_failed_export_leaves_nothing(hf_tiny, tmp_path):
+  path, _ = hf_tiny(tie=True)
+  config, params = hf.load_pretrained(path)
+  del params["final_norm"]
+  out = tmp_path / "broken"
+  with pytest.raises(KeyError):
+    hf.save_pretrained(config, params, str(out))
+  assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]

@@ -1,0 +1,169 @@
+"""Orbax checkpoints of a training run: params, optimizer state, data-iterator state.
+
+Run directory layout:
+
+  RUN_DIR/layout.json              model config + objective + dtype facts of the run
+  RUN_DIR/tokenizer/               tokenizer files (with `<|mask|>`), when known
+  RUN_DIR/checkpoints/<step>/      orbax items: params, opt (optimizer state + step)
+  RUN_DIR/data_state/<step>/process_<i>.json   each process's data-iterator state
+
+Orbax writes each step to a temporary directory and renames it when complete, so a
+crash mid-save never leaves a step that `restore` would pick. The data state of a
+step is written (synchronously, by every process) before that step's orbax save
+starts, so a finalised step always has its data state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from mars_jax.models.qwen2 import Qwen2Config, abstract_params
+
+LAYOUT_FILE = "layout.json"
+# Facts that change what a checkpoint means; a resumed run must agree on them.
+_LAYOUT_KEYS = ("model", "objective")
+
+
+def model_layout(config: Qwen2Config) -> dict[str, Any]:
+  """The model part of layout.json: HF config plus the layout-relevant runtime fields."""
+  return {**config.to_hf_dict(), "scan_layers": config.scan_layers,
+          "param_dtype": config.param_dtype}
+
+
+def write_layout(run_dir: str, layout: dict[str, Any]) -> None:
+  """Writes layout.json, or checks an existing one agrees (a resumed or reused run dir)."""
+  path = os.path.join(run_dir, LAYOUT_FILE)
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    diffs = [k for k in _LAYOUT_KEYS if k in old and old.get(k) != layout.get(k)]
+    if diffs:
+      detail = "; ".join(f"{k}: checkpoint has {old.get(k)!r}, config asks {layout.get(k)!r}"
+                         for k in diffs)
+      raise ValueError(f"{path}: this run directory holds a different run ({detail}). Use a "
+                       "fresh --workdir, or start a new stage from it with "
+                       "model.init=<this run dir>.")
+    return
+  if jax.process_index() == 0:
+    os.makedirs(run_dir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(layout, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def read_layout(run_dir: str) -> dict[str, Any]:
+  path = os.path.join(run_dir, LAYOUT_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: not a mars_jax run directory (no {LAYOUT_FILE}).")
+  with open(path) as f:
+    return json.load(f)
+
+
+def config_from_layout(layout: dict[str, Any], **runtime) -> Qwen2Config:
+  m = layout["model"]
+  runtime = {"scan_layers": m["scan_layers"], "param_dtype": m["param_dtype"], **runtime}
+  return Qwen2Config.from_hf_dict(m, source=LAYOUT_FILE, **runtime)
+
+
+class RunCheckpointer:
+  """Saves and restores (params, opt, data state) under RUN_DIR, async by default."""
+
+  def __init__(self, run_dir: str, *, max_to_keep: int = 3, save_every: int = 1000,
+               async_save: bool = True):
+    self.run_dir = os.path.abspath(run_dir)
+    self.manager = ocp.CheckpointManager(
+        os.path.join(self.run_dir, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, save_interval_steps=save_every,
+            enable_async_checkpointing=async_save, create=True),
+        item_names=("params", "opt"))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def _data_path(self, step: int, process: int | None = None) -> str:
+    process = jax.process_index() if process is None else process
+    return os.path.join(self.run_dir, "data_state", str(step), f"process_{process}.json")
+
+  def save(self, step: int, params: Any, opt: Any, data_state: Any, *,
+           force: bool = False) -> bool:
+    """Saves when `step` is due (or `force`); returns whether a save started."""
+    if not (force or self.manager.should_save(step)):
+      return False
+    path = self._data_path(step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+      json.dump(data_state, f)
+    os.replace(path + ".tmp", path)
+    return self.manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt)), force=force)
+
+  def restore(self, step: int, abstract_params: Any, abstract_opt: Any) -> tuple[Any, Any, Any]:
+    """Restores `step` into the given shardings -> (params, opt, this process's data state)."""
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_params),
+        opt=ocp.args.StandardRestore(abstract_opt)))
+    path = self._data_path(step)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(
+          f"{path}: checkpoint step {step} has no data-iterator state for process "
+          f"{jax.process_index()}; was it written by a different number of processes?")
+    with open(path) as f:
+      data_state = json.load(f)
+    return out.params, out.opt, data_state
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def resolve_checkpoint(path: str) -> tuple[str, int]:
+  """RUN_DIR or RUN_DIR/<step> (or RUN_DIR/checkpoints/<step>) -> (run_dir, step)."""
+  path = os.path.abspath(path.rstrip("/"))
+  base = os.path.basename(path)
+  if base.isdigit():
+    parent = os.path.dirname(path)
+    run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    step = int(base)
+    if not os.path.isdir(os.path.join(run_dir, "checkpoints", base)):
+      raise FileNotFoundError(f"{path}: no checkpoint step {step} in {run_dir}/checkpoints.")
+    return run_dir, step
+  read_layout(path)
+  steps = ocp.utils.checkpoint_steps(os.path.join(path, "checkpoints")) if os.path.isdir(
+      os.path.join(path, "checkpoints")) else []
+  if not steps:
+    raise FileNotFoundError(f"{path}: run directory has no finished checkpoint.")
+  return path, max(steps)
+
+
+def load_params(path: str, *, shardings: Any = None, **runtime) -> tuple[Qwen2Config, Any]:
+  """Params of a training checkpoint (RUN_DIR = latest step, or RUN_DIR/<step>).
+
+  `shardings`: a pytree of `jax.sharding.Sharding` matching the params (default: all
+  on the first local device). Works on checkpoints written by any number of processes.
+  """
+  run_dir, step = resolve_checkpoint(path)
+  config = config_from_layout(read_layout(run_dir), **runtime)
+  abstract = abstract_params(config)
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  with ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), item_names=("params",),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
+    out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+  return config, out.params
+
+
+def tokenizer_dir(run_dir: str) -> str:
+  return os.path.join(run_dir, "tokenizer")

@@ -1,0 +1,92 @@
+"""Launch scripts (--help, --dry-run) and the distributed start-up plan."""
+
+import os
+import subprocess
+
+import pytest
+
+from mars_jax.distributed import plan_from_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args, env=None):
+  return subprocess.run(["bash", os.path.join(ROOT, "launch", script), *args],
+                        capture_output=True, text=True, env={**os.environ, **(env or {})},
+                        check=True).stdout
+
+
+@pytest.mark.parametrize("script", ["local.sh", "gpu_slurm.sbatch", "tpu_vm.sh"])
+def test_help(script):
+  assert "Usage:" in run(script, "--help")
+
+
+def test_local_dry_run():
+  out = run("local.sh", "--dry-run", "--num-processes", "3", "--devices-per-process", "2",
+            "--port", "2345", "--logdir", "/tmp/L", "--", "--config", "configs/tiny.py",
+            "--workdir", "/tmp/w").splitlines()
+  assert len(out) == 3
+  for i, line in enumerate(out):
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=2" in line
+    assert "MARS_COORDINATOR_ADDRESS=localhost:2345" in line
+    assert "MARS_NUM_PROCESSES=3" in line and f"MARS_PROCESS_ID={i}" in line
+    assert "-m mars_jax.train --config configs/tiny.py --workdir /tmp/w" in line
+    assert line.endswith(f"> /tmp/L/process_{i}.log")
+
+
+def test_slurm_dry_run():
+  out = run("gpu_slurm.sbatch", "--dry-run", "--port", "4444", "--venv", "/opt/v", "--",
+            "--config", "configs/qwen2_5_7b_mars.py", "--workdir", "/runs/a b",
+            env={"SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS": "4"})
+  assert "# nodes=4 tasks=4" in out and "port 4444" in out
+  cmd = out.splitlines()[-1]
+  assert cmd.startswith("srun --kill-on-bad-exit=1")
+  assert "MARS_SLURM_PORT=4444" in cmd and "/opt/v/bin/activate" in cmd
+  assert "mars_jax.train" in cmd and "configs/qwen2_5_7b_mars.py" in cmd
+
+
+def test_tpu_dry_run():
+  out = run("tpu_vm.sh", "--name", "mars", "--zone", "us-east5-a", "--type", "v5p-16",
+            "--project", "p", "--delete", "--dry-run", "--", "--config", "configs/x.py")
+  lines = out.splitlines()
+  assert lines[0].startswith("gcloud compute tpus tpu-vm create mars --zone us-east5-a "
+                             "--project p --accelerator-type v5p-16")
+  assert any("--worker=all" in l and "jax\\[tpu\\]" in l for l in lines)
+  assert any("--worker=all" in l and "mars_jax.train" in l and "configs/x.py" in l
+             for l in lines)
+  assert lines[-1].startswith("gcloud compute tpus tpu-vm delete mars")
+
+
+def test_scripts_refuse_missing_train_args():
+  for script, extra in [("local.sh", []), ("tpu_vm.sh", ["--name", "a", "--zone", "z"])]:
+    r = subprocess.run(["bash", os.path.join(ROOT, "launch", script), *extra],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no train arguments" in r.stderr
+
+
+def test_plan_slurm_one_process_per_gpu():
+  plan = plan_from_env({
+      "SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3",
+      "SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NODELIST": "gpu[003-004,010]",
+      "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "MARS_SLURM_PORT": "999"})
+  assert plan.source == "slurm" and plan.coordinator_address == "gpu003:999"
+  assert (plan.num_processes, plan.process_id, plan.local_device_ids) == (16, 11, (3,))
+
+
+def test_plan_slurm_one_process_per_node_uses_all_gpus():
+  plan = plan_from_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+                        "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_NODELIST": "a1,a2",
+                        "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+  assert plan.coordinator_address == "a1:12355" and plan.local_device_ids is None
+
+
+def test_plan_explicit_and_errors():
+  plan = plan_from_env({"MARS_COORDINATOR_ADDRESS": "h:1", "MARS_NUM_PROCESSES": "2",
+                        "MARS_PROCESS_ID": "1", "JAX_PLATFORMS": "cpu"})
+  assert plan.source == "explicit" and plan.cpu_collectives and plan.process_id == 1
+  with pytest.raises(ValueError, match="needs num_processes and process_id"):
+    plan_from_env({"MARS_COORDINATOR_ADDRESS": "h:1"})
+  with pytest.raises(ValueError, match="outside 0..1"):
+    plan_from_env({}, coordinator_address="h:1", num_processes=2, process_id=2)
+  assert plan_from_env({"TPU_WORKER_HOSTNAMES": "a,b"}).source == "tpu"
+  assert plan_from_env({}).source == "single"

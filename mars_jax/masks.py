@@ -1,0 +1,122 @@
+"""Attention masks (boolean, True = may attend) for AR and two-stream MARS training.
+
+Pure functions, arrays in and arrays out. The two-stream layout concatenates the
+clean stream (positions 0..L-1 of the concatenation) and the noisy stream
+(positions L..2L-1); both carry the same RoPE positions 0..L-1. Rules, for a
+query `i` and key `j` with in-stream positions `p` and blocks `blk = p // B`
+(DESIGN.md §1):
+
+  clean -> clean   p(j) <= p(i)                          (plain causal)
+  noisy -> noisy   blk(j) == blk(i) and p(j) <= p(i)     ("causal" intra-block)
+                   blk(j) == blk(i)                      ("bidirectional": Block Diffusion)
+  noisy -> clean   blk(j) < blk(i)
+  clean -> noisy   never
+
+With packed sequences every rule also requires equal, non-zero segment ids, and
+blocks are counted from each segment's own positions (a packed sample has the
+blocks it would have alone).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+INTRA_BLOCK = ("causal", "bidirectional")
+
+
+def causal_mask(length: int) -> Array:
+  """Plain causal mask: bool[L, L], [i, j] = j <= i."""
+  idx = jnp.arange(length)
+  return idx[None, :] <= idx[:, None]
+
+
+def segment_positions(segment_ids: Array) -> Array:
+  """Per-segment positions of packed rows.
+
+  segment_ids: int32[b, L] (contiguous runs, 0 = padding) -> int32[b, L], counting
+  0, 1, 2, ... from the first token of each run.
+
+    segment_ids  1 1 1 2 2 0 0
+    positions    0 1 2 0 1 0 1
+  """
+  length = segment_ids.shape[-1]
+  idx = jnp.arange(length, dtype=jnp.int32)
+  new_run = jnp.concatenate(
+      [jnp.ones_like(segment_ids[..., :1], bool),
+       segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+  run_start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=segment_ids.ndim - 1)
+  return idx - run_start
+
+
+def segment_causal_mask(segment_ids: Array) -> Array:
+  """Causal mask of packed rows: bool[b, L, L], [i, j] = j <= i and seg(i) == seg(j) != 0.
+
+  segment_ids: int32[b, L], 0 = padding (a padding query attends to nothing).
+  """
+  same = _same_segment(segment_ids, segment_ids)
+  return causal_mask(segment_ids.shape[-1])[None] & same
+
+
+def two_stream_mask(length: int, block_size: int, *, intra_block: str = "causal") -> Array:
+  """The MARS two-stream mask over [clean | noisy]: bool[2L, 2L].
+
+  L=6, B=2, intra_block="causal" (1 = may attend; rows are queries):
+
+               clean             noisy
+               0 1 2 3 4 5       0 1 2 3 4 5
+    clean 0    1 . . . . .   |   . . . . . .
+          1    1 1 . . . .   |   . . . . . .
+          2    1 1 1 . . .   |   . . . . . .
+          3    1 1 1 1 . .   |   . . . . . .
+          4    1 1 1 1 1 .   |   . . . . . .
+          5    1 1 1 1 1 1   |   . . . . . .
+    noisy 0    . . . . . .   |   1 . . . . .
+          1    . . . . . .   |   1 1 . . . .
+          2    1 1 . . . .   |   . . 1 . . .
+          3    1 1 . . . .   |   . . 1 1 . .
+          4    1 1 1 1 . .   |   . . . . 1 .
+          5    1 1 1 1 . .   |   . . . . 1 1
+
+  "bidirectional" fills each noisy diagonal block (noisy 0-1 see noisy 0-1, ...).
+  `length` need not be a multiple of `block_size` (the last block is shorter).
+  """
+  pos = jnp.arange(length, dtype=jnp.int32)
+  seg = jnp.ones((length,), jnp.int32)
+  return _two_stream(pos, seg, block_size, intra_block)
+
+
+def two_stream_segment_mask(segment_ids: Array, positions: Array, block_size: int, *,
+                            intra_block: str = "causal") -> Array:
+  """Two-stream mask of packed rows: bool[b, 2L, 2L].
+
+  segment_ids: int32[b, L] (0 = padding); positions: int32[b, L], the per-segment
+  positions that define the blocks (see `segment_positions`). Each rule of
+  `two_stream_mask` additionally requires equal, non-zero segment ids.
+  """
+  return jax.vmap(lambda p, s: _two_stream(p, s, block_size, intra_block))(
+      positions, segment_ids)
+
+
+def _same_segment(seg_q: Array, seg_k: Array) -> Array:
+  """seg_q: int[..., Lq], seg_k: int[..., Lk] -> bool[..., Lq, Lk]."""
+  return (seg_q[..., :, None] == seg_k[..., None, :]) & (seg_q[..., :, None] != 0)
+
+
+def _two_stream(positions: Array, segment_ids: Array, block_size: int,
+                intra_block: str) -> Array:
+  """positions, segment_ids: int32[L] -> bool[2L, 2L] over [clean | noisy]."""
+  if intra_block not in INTRA_BLOCK:
+    raise ValueError(f"intra_block={intra_block!r}; expected one of {list(INTRA_BLOCK)}.")
+  if block_size < 1:
+    raise ValueError(f"block_size={block_size}; must be >= 1.")
+  length = positions.shape[-1]
+  same = _same_segment(segment_ids, segment_ids)
+  causal = causal_mask(length) & same
+  blk = positions // block_size
+  same_block = (blk[:, None] == blk[None, :]) & same
+  noisy_noisy = same_block & causal if intra_block == "causal" else same_block
+  noisy_clean = (blk[None, :] < blk[:, None]) & same
+  never = jnp.zeros((length, length), bool)
+  return jnp.block([[causal, never], [noisy_clean, noisy_noisy]])

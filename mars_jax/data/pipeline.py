@@ -1,0 +1,277 @@
+"""The data pipeline the trainer calls: config -> validated examples -> batches.
+
+  data = load_data(data_cfg, tokenizer)   # reads, checks, tokenizes everything now
+  print(data.stats.summary())
+  it = data.train_iterator(batch_size=32)  # grain DatasetIterator, endless or num_epochs
+  batch = next(it)                         # see "Batches" below
+  state = it.get_state()                   # JSON-able dict: save it with the checkpoint
+  it.set_state(state)                      # a fresh iterator resumes with the same batches
+  for batch in data.eval_batches(batch_size=32): ...
+
+Config fields (a dict or ml_collections ConfigDict; `default_config()` has them all,
+an unknown key is an error):
+  source        "synthetic", or data files: a path, glob, directory or comma-separated
+                list of them (.jsonl/.json lines, .parquet) of chat records
+                {"messages": [{"role": "system"|"user"|"assistant", "content": str}]}.
+  eval_source   held-out chat files (same forms); None: for "synthetic" the test split,
+                for files the `num_eval` records held out of `source` (none if 0).
+  num_eval      records of a file `source` held out (by `seed`) for eval when
+                `eval_source` is None; they never appear in training.
+  max_length    row length L in tokens (512); longer records are cut (see `truncate`).
+  truncate      True: cut records longer than L and count them; False: such records
+                are bad input ("too_long"), handled by `on_bad`.
+  packing       False: one example per row, right-padded. True: several examples per
+                row (first-fit), with "segment_ids" and per-segment "positions".
+  seed          shuffling seed; every epoch has its own order drawn from it.
+  num_epochs    passes over the training set; None: repeat forever (use a step count).
+  on_bad        "skip": skip bad records and report them in `stats`; "error": raise
+                BadInputError at load time naming the file and line of the first.
+  synthetic     the embedded task, for source="synthetic": num_train and num_test
+                problems, the split `seed`, and `test_fraction` of problem identities
+                reserved for test (see mars_jax.data.synthetic).
+
+Batches: {"tokens": int32[b, L], "loss_mask": bool[b, L]}, loss_mask True exactly on
+assistant targets; with packing also "segment_ids": int32[b, L] (1, 2, ... per example
+in the row, 0 on padding) and "positions": int32[b, L] (0.. restarting per segment).
+b is the per-process batch: `batch_size // shard_count` for a global batch size.
+
+Sharding: process p of k takes elements p, p+k, p+2k, ... of the one shuffled stream,
+so (without packing) the k per-process batches of step t together are exactly the
+single-process global batch t, whatever k. A finite stream is cut to whole global
+batches so every process yields the same number of batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Mapping
+
+import grain
+import grain.experimental as grain_exp
+import ml_collections
+import numpy as np
+
+from mars_jax.data import synthetic
+from mars_jax.data.chat import TokenizedSource, pad_example, pad_id_of
+from mars_jax.data.sources import RecordsSource, expand_paths, open_file
+from mars_jax.data.validation import POLICIES, DataStats
+
+_LOG = logging.getLogger(__name__)
+_READ = grain.ReadOptions(num_threads=1, prefetch_buffer_size=256)
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The data config with every field at its default (see the module docstring)."""
+  placeholder = ml_collections.config_dict.placeholder
+  return ml_collections.ConfigDict({
+      "source": "synthetic",
+      "eval_source": placeholder(str),
+      "num_eval": 0,
+      "max_length": 512,
+      "truncate": True,
+      "packing": False,
+      "seed": 0,
+      "num_epochs": placeholder(int),
+      "on_bad": "skip",
+      "synthetic": {"num_train": 20000, "num_test": 500, "seed": 0, "test_fraction": 0.1},
+  })
+
+
+def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
+  """Defaults filled in and every value checked; unknown keys are an error."""
+  out = default_config().to_dict()
+  given = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else dict(cfg)
+  unknown = sorted(set(given) - set(out)) + sorted(
+      f"synthetic.{k}" for k in set(given.get("synthetic") or {}) - set(out["synthetic"]))
+  if unknown:
+    raise ValueError(f"unknown data config keys {unknown}; known: {sorted(out)} and "
+                     f"synthetic.{sorted(out['synthetic'])}.")
+  out.update({k: v for k, v in given.items() if k != "synthetic"})
+  out["synthetic"].update(given.get("synthetic") or {})
+  checks = [
+      (isinstance(out["max_length"], int) and out["max_length"] >= 2, "max_length", ">= 2"),
+      (out["on_bad"] in POLICIES, "on_bad", f"one of {POLICIES}"),
+      (out["num_epochs"] is None or out["num_epochs"] >= 1, "num_epochs", "None or >= 1"),
+      (out["num_eval"] >= 0, "num_eval", ">= 0"),
+      (bool(out["source"]), "source", '"synthetic" or data files'),
+      (out["synthetic"]["num_train"] >= 1, "synthetic.num_train", ">= 1"),
+      (out["synthetic"]["num_test"] >= 0, "synthetic.num_test", ">= 0"),
+  ]
+  for ok, name, expected in checks:
+    if not ok:
+      value = out[name] if "." not in name else out["synthetic"][name.split(".")[1]]
+      raise ValueError(f"data.{name}={value!r}; expected {expected}.")
+  return out
+
+
+class _Subset:
+  """Items `indices` of a source, keeping `where` for reports."""
+
+  def __init__(self, source, indices: np.ndarray):
+    self._source, self._indices = source, indices
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, i: int):
+    return self._source[int(self._indices[i])]
+
+  def where(self, i: int) -> str:
+    return self._source.where(int(self._indices[i]))
+
+
+def _file_sources(spec, stats: DataStats) -> list:
+  return [open_file(path, stats) for path in expand_paths(spec)]
+
+
+def _held_out(sources: list, num_eval: int, seed: int) -> tuple[list, list]:
+  """Splits file sources into (train, eval) subsets, `num_eval` records to eval."""
+  sizes = [len(s) for s in sources]
+  total = sum(sizes)
+  if num_eval >= total:
+    raise ValueError(f"data.num_eval={num_eval} leaves no training records of {total}.")
+  is_eval = np.zeros(total, bool)
+  is_eval[np.random.default_rng(seed).permutation(total)[:num_eval]] = True
+  train, held = [], []
+  for source, flags in zip(sources, np.split(is_eval, np.cumsum(sizes)[:-1])):
+    train.append(_Subset(source, np.flatnonzero(~flags)))
+    held.append(_Subset(source, np.flatnonzero(flags)))
+  return train, held
+
+
+@dataclasses.dataclass
+class ChatData:
+  """Validated, tokenized train (and eval) examples of one data config.
+
+  `train`/`eval` items are {"tokens": int32[n], "loss_mask": bool[n]}, n <= L.
+  """
+  config: dict[str, Any]
+  train: TokenizedSource
+  eval: TokenizedSource | None
+  stats: DataStats
+  pad_id: int
+
+  @property
+  def max_length(self) -> int:
+    return self.config["max_length"]
+
+  def steps_per_epoch(self, batch_size: int) -> int:
+    """Global batches of `batch_size` rows per epoch; without packing exact (over
+    all epochs: floor(epochs * examples / batch_size)), with packing an upper bound."""
+    return len(self.train) // batch_size
+
+  def train_iterator(self, *, batch_size: int, shard_index: int | None = None,
+                     shard_count: int | None = None,
+                     global_batch: bool = True) -> grain.DatasetIterator:
+    """The training batches of process `shard_index` of `shard_count`.
+
+    `batch_size` is global (split evenly over processes) unless `global_batch` is
+    False, then per process. Shards default to jax's process index and count.
+    Returns a grain iterator with `get_state()`/`set_state()` (JSON-able state).
+    """
+    index, count = _shard(shard_index, shard_count)
+    rows = _per_process(batch_size, count, global_batch)
+    cfg = self.config
+    ds = grain.MapDataset.source(self.train).shuffle(seed=cfg["seed"])
+    ds = ds.repeat(cfg["num_epochs"])
+    if cfg["num_epochs"] is not None:
+      ds = ds[:len(ds) // (rows * count) * (rows * count)]
+    ds = ds[index::count].to_iter_dataset(_READ)
+    return iter(self._rows(ds, packing=cfg["packing"], bins=rows)
+                .batch(rows, drop_remainder=True))
+
+  def eval_batches(self, *, batch_size: int, shard_index: int | None = None,
+                   shard_count: int | None = None,
+                   global_batch: bool = True) -> list[dict[str, np.ndarray]]:
+    """The held-out batches of this process, in order, one example per padded row.
+
+    Never packed, so every process gets the same number of batches: the eval set
+    is cut to whole global batches (the cut is `len(eval) % batch_size` examples).
+    Raises ValueError if there is no eval set or it is smaller than one global batch.
+    """
+    if self.eval is None or not len(self.eval):
+      raise ValueError("no eval set: set data.eval_source, data.num_eval (file "
+                       "sources) or data.synthetic.num_test (source='synthetic').")
+    index, count = _shard(shard_index, shard_count)
+    rows = _per_process(batch_size, count, global_batch)
+    usable = len(self.eval) // (rows * count) * (rows * count)
+    if not usable:
+      raise ValueError(f"the eval set has {len(self.eval)} examples, fewer than one "
+                       f"global batch of {rows * count}.")
+    ds = grain.MapDataset.source(self.eval)[:usable][index::count].to_iter_dataset(_READ)
+    return list(self._rows(ds, packing=False, bins=rows).batch(rows))
+
+  def _rows(self, ds: grain.IterDataset, *, packing: bool, bins: int) -> grain.IterDataset:
+    """Examples -> rows of length L: padded, or first-fit packed into `bins` at a time."""
+    length = self.max_length
+    if not packing:
+      return ds.map(functools.partial(pad_example, length=length, pad_id=self.pad_id))
+    packed = grain_exp.FirstFitPackIterDataset(
+        ds, length_struct={"tokens": length, "loss_mask": length}, num_packing_bins=bins,
+        seed=self.config["seed"], shuffle_bins=True,
+        padding_struct={"tokens": self.pad_id, "loss_mask": False})
+    return packed.map(_packed_row)
+
+
+def _packed_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """grain's packed features -> tokens, loss_mask, segment_ids, positions (all [L])."""
+  return {"tokens": row["tokens"].astype(np.int32),
+          "loss_mask": row["loss_mask"].astype(bool),
+          "segment_ids": row["tokens_segment_ids"].astype(np.int32),
+          "positions": row["tokens_positions"].astype(np.int32)}
+
+
+def _shard(index: int | None, count: int | None) -> tuple[int, int]:
+  if index is None or count is None:
+    import jax  # pylint: disable=import-outside-toplevel
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+  if not 0 <= index < count:
+    raise ValueError(f"shard_index={index} is outside 0..shard_count-1={count - 1}.")
+  return index, count
+
+
+def _per_process(batch_size: int, count: int, global_batch: bool) -> int:
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size}; expected >= 1.")
+  if not global_batch:
+    return batch_size
+  if batch_size % count:
+    raise ValueError(f"global batch_size={batch_size} is not divisible by the "
+                     f"{count} processes.")
+  return batch_size // count
+
+
+def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
+  """Reads, checks and tokenizes the train and eval examples of `data_cfg`.
+
+  All bad input is found here: under on_bad="error" this raises BadInputError with
+  the file and line; under "skip" the counts are in `.stats` (also logged). Raises
+  ValueError if no training example is left.
+  """
+  cfg = _resolve(data_cfg)
+  stats = DataStats(on_bad=cfg["on_bad"])
+  if cfg["source"] == "synthetic":
+    syn = cfg["synthetic"]
+    kw = {"seed": syn["seed"], "test_fraction": syn["test_fraction"]}
+    train = [RecordsSource(synthetic.chat_records(syn["num_train"], split="train", **kw),
+                           stats, name="synthetic-train")]
+    held = ([RecordsSource(synthetic.chat_records(syn["num_test"], split="test", **kw),
+                           stats, name="synthetic-test")] if syn["num_test"] else [])
+  else:
+    train = _file_sources(cfg["source"], stats)
+    held = []
+    if cfg["num_eval"] and cfg["eval_source"] is None:
+      train, held = _held_out(train, cfg["num_eval"], cfg["seed"])
+  if cfg["eval_source"] is not None:
+    held = _file_sources(cfg["eval_source"], stats)
+  tok = functools.partial(TokenizedSource, tokenizer=tokenizer, stats=stats,
+                          max_length=cfg["max_length"], truncate=cfg["truncate"])
+  data = ChatData(config=cfg, train=tok(train), eval=tok(held) if held else None,
+                  stats=stats, pad_id=pad_id_of(tokenizer))
+  (_LOG.warning if stats.bad else _LOG.info)(stats.summary())
+  if not len(data.train):
+    raise ValueError(f"no training examples left in {cfg['source']!r}.\n{stats.summary()}")
+  return data

@@ -1,0 +1,160 @@
+"""The embedded default task: GSM8K-style arithmetic word problems, generated.
+
+Each problem is one of a few two-step templates with a worked answer whose steps
+are templated, so long stretches of it are predictable from the question (the
+numbers are copied, the wording is fixed) and only the computed digits are hard:
+
+  question: Uma buys 7 bags of 7 nuts and 3 more. How many?
+  answer:   Bags: 7*7=49
+            All: 49+3=52
+            #### 52
+
+A problem's identity is its template and numbers (names and items are dressing).
+The train/test split is a pure function of (seed, identity): a hash puts each
+identity in exactly one split, so `generate(n, seed=s, split="train")` and
+`generate(m, seed=s, split="test")` never share a problem, whatever n and m, and
+each split has no duplicates. The same (n, seed, split) always gives the same list.
+
+With `mars_jax.data.tokenizer`'s character-level ChatML tokenizer a formatted
+example (user turn + assistant turn) is 97-115 tokens, 109 on average; the answer
+with its `<|im_end|>` (the targets) is 30-41 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import re
+from typing import Callable
+
+SPLITS = ("train", "test")
+NAMES = ("Ann", "Bob", "Cal", "Dan", "Eve", "Fay", "Gus", "Ida", "Jim", "Kim", "Leo",
+         "Max", "Ned", "Pam", "Sam", "Tom", "Uma", "Val")
+ITEMS = ("apples", "pens", "cups", "eggs", "books", "cards", "coins", "shells", "stamps",
+         "toys", "beads", "nuts")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+  """question/answer format strings over fields n (name), it (item), a, b, c, and results."""
+  question: str
+  answer: str
+  sample: Callable[[random.Random], tuple[int, int, int]]   # draws (a, b, c)
+  solve: Callable[[int, int, int], dict[str, int]]          # intermediate results and r
+
+
+def _sample_add_sub(g: random.Random) -> tuple[int, int, int]:
+  a, b = g.randint(5, 60), g.randint(2, 40)
+  return a, b, g.randint(1, min(30, a + b - 1))
+
+
+def _sample_change(g: random.Random) -> tuple[int, int, int]:
+  a, b = g.randint(2, 9), g.randint(2, 9)
+  return a, b, g.randint(max(60, a * b + 1), 150)
+
+
+TEMPLATES = (
+    _Template(
+        "{n} has {a} {it}, gets {b}, gives away {c}. How many now?",
+        "Got: {a}+{b}={s}\nLeft: {s}-{c}={r}\n#### {r}",
+        _sample_add_sub,
+        lambda a, b, c: {"s": a + b, "r": a + b - c}),
+    _Template(
+        "{n} buys {a} bags of {b} {it} and {c} more. How many?",
+        "Bags: {a}*{b}={p}\nAll: {p}+{c}={r}\n#### {r}",
+        lambda g: (g.randint(2, 9), g.randint(2, 9), g.randint(1, 99)),
+        lambda a, b, c: {"p": a * b, "r": a * b + c}),
+    _Template(
+        "{n} has {c} {it}, sells {a} packs of {b}. How many left?",
+        "Sold: {a}*{b}={p}\nLeft: {c}-{p}={r}\n#### {r}",
+        lambda g: (g.randint(2, 9), g.randint(2, 9), g.randint(82, 199)),
+        lambda a, b, c: {"p": a * b, "r": c - a * b}),
+    _Template(
+        "{b} kids split {q} {it}. Each gets {c} more. How many each?",
+        "Each: {q}/{b}={a}\nNow: {a}+{c}={r}\n#### {r}",
+        lambda g: (g.randint(2, 12), g.randint(2, 9), g.randint(1, 60)),
+        lambda a, b, c: {"q": a * b, "r": a + c}),
+    _Template(
+        "{n} buys {b} {it} at {a} dollars each, pays {c}. Change?",
+        "Cost: {b}*{a}={p}\nChange: {c}-{p}={r}\n#### {r}",
+        _sample_change,
+        lambda a, b, c: {"p": a * b, "r": c - a * b}),
+)
+
+
+def _in_split(key: tuple, seed: int, test_fraction: float) -> str:
+  digest = hashlib.blake2b(repr((seed,) + key).encode(), digest_size=8).digest()
+  return "test" if int.from_bytes(digest, "big") < test_fraction * 2.0**64 else "train"
+
+
+def generate(num: int, *, seed: int = 0, split: str = "train",
+             test_fraction: float = 0.1) -> list[dict[str, str]]:
+  """`num` distinct problems of `split` as GSM8K records {"question", "answer"}.
+
+  Deterministic in (num, seed, split, test_fraction); a list is a prefix of any
+  longer list with the same arguments. Train and test never share a (template,
+  numbers) identity. Raises ValueError if the split has fewer than `num` problems.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r}; expected one of {SPLITS}.")
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f"test_fraction={test_fraction}; expected a value in (0, 1).")
+  g = random.Random(f"mars_jax.synthetic:{seed}:{split}")
+  seen: set[tuple] = set()
+  out = []
+  attempts = 0
+  while len(out) < num:
+    attempts += 1
+    if attempts > 100 * num + 10_000:
+      raise ValueError(f"could not draw {num} distinct {split} problems (found {len(out)}); "
+                       "ask for fewer or change test_fraction.")
+    t = g.randrange(len(TEMPLATES))
+    template = TEMPLATES[t]
+    a, b, c = template.sample(g)
+    name, item = g.choice(NAMES), g.choice(ITEMS)
+    key = (t, a, b, c)
+    if key in seen or _in_split(key, seed, test_fraction) != split:
+      continue
+    seen.add(key)
+    fields = dict(n=name, it=item, a=a, b=b, c=c, **template.solve(a, b, c))
+    out.append({"question": template.question.format(**fields),
+                "answer": template.answer.format(**fields)})
+  return out
+
+
+def to_chat(record: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+  """{"question", "answer"} -> {"messages": [user question, assistant answer]}."""
+  return {"messages": [{"role": "user", "content": record["question"]},
+                       {"role": "assistant", "content": record["answer"]}]}
+
+
+def chat_records(num: int, *, seed: int = 0, split: str = "train",
+                 test_fraction: float = 0.1) -> list[dict]:
+  """`generate(...)` as chat records, the shape the data pipeline trains on."""
+  return [to_chat(r) for r in generate(num, seed=seed, split=split,
+                                       test_fraction=test_fraction)]
+
+
+_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def extract_answer(text: str) -> str | None:
+  """The final answer after the last `#### ` as a normalised number string, else None.
+
+  Commas and a trailing ".0" are dropped ("1,000" -> "1000", "7.0" -> "7"), so
+  exact match compares numbers the way GSM8K's graders do.
+  """
+  found = _ANSWER.findall(text)
+  if not found:
+    return None
+  value = found[-1].replace(",", "")
+  if "." in value:
+    value = value.rstrip("0").rstrip(".") or "0"
+  return value
+
+
+def is_correct(prediction: str, reference: str) -> bool:
+  """Exact match of the extracted final answers; a prediction without one is wrong."""
+  got = extract_answer(prediction)
+  return got is not None and got == extract_answer(reference)

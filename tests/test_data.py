@@ -189,7 +189,7 @@ def test_shuffle_is_deterministic_by_seed(tok):
 def test_epochs_reshuffle_and_cover(tok):
   data = load_data(_cfg(num_epochs=2), tok)
   batches = list(data.train_iterator(batch_size=8, shard_index=0, shard_count=1))
-  assert len(batches) == 2 * 64 // 8
+  assert len(batches) == data.num_steps(8) == 2 * 64 // 8
   rows = [tuple(r) for b in batches for r in b["tokens"]]
   first, second = rows[:64], rows[64:]
   assert len(set(first)) == 64 and set(first) == set(second) and first != second
@@ -380,7 +380,7 @@ def test_tokenizer_ids_and_roundtrip(tok, tmp_path):
   assert len(ids) == len("Ann has 3 pens.\nHow many?") + len("3+0=3\n#### 3") + 21
   assert tok.decode(ids) == text
   utf8 = tok("né ü", add_special_tokens=False)["input_ids"]
-  assert len(utf8) == 6 and tok.decode(utf8) == "né ü"         # other characters: one token per byte
+  assert len(utf8) == 6 and tok.decode(utf8) == "né ü"     # non-ASCII: one token per byte
   tok.save_pretrained(tmp_path / "tok")
   again = AutoTokenizer.from_pretrained(tmp_path / "tok")
   assert again(text, add_special_tokens=False)["input_ids"] == ids
@@ -399,8 +399,12 @@ def test_tokenizer_through_hf_save_and_load(tok, tmp_path):
   path = str(tmp_path / "model")
   hf.save_pretrained(config, init_params(config, jax.random.PRNGKey(0)), path, tokenizer=tok)
   assert os.path.isfile(os.path.join(path, "tokenizer.json"))
-  loaded, mask_id = hf.load_tokenizer(path)         # a Qwen2Tokenizer, rebuilt from our vocab
+  loaded, mask_id = hf.load_tokenizer(path)
+  # config.json says qwen2, so transformers rebuilds a Qwen2Tokenizer from our vocab
+  assert type(loaded).__name__ == "Qwen2Tokenizer"
   assert mask_id == 3 and len(loaded) == len(tok) and loaded.eos_token_id == 2
-  data = load_data(_cfg(synthetic={"num_train": 8}), loaded)
-  np.testing.assert_array_equal(data.train[0]["tokens"],
-                                load_data(_cfg(synthetic={"num_train": 8}), tok).train[0]["tokens"])
+  cfg = _cfg(synthetic={"num_train": 8})
+  ours, theirs = load_data(cfg, tok).train, load_data(cfg, loaded).train
+  for i in range(8):
+    np.testing.assert_array_equal(ours[i]["tokens"], theirs[i]["tokens"])
+    np.testing.assert_array_equal(ours[i]["loss_mask"], theirs[i]["loss_mask"])

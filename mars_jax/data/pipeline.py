@@ -90,18 +90,20 @@ def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
                      f"synthetic.{sorted(out['synthetic'])}.")
   out.update({k: v for k, v in given.items() if k != "synthetic"})
   out["synthetic"].update(given.get("synthetic") or {})
+  syn = out["synthetic"]
+  is_int = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low  # noqa: E731
   checks = [
-      (isinstance(out["max_length"], int) and out["max_length"] >= 2, "max_length", ">= 2"),
-      (out["on_bad"] in POLICIES, "on_bad", f"one of {POLICIES}"),
-      (out["num_epochs"] is None or out["num_epochs"] >= 1, "num_epochs", "None or >= 1"),
-      (out["num_eval"] >= 0, "num_eval", ">= 0"),
-      (bool(out["source"]), "source", '"synthetic" or data files'),
-      (out["synthetic"]["num_train"] >= 1, "synthetic.num_train", ">= 1"),
-      (out["synthetic"]["num_test"] >= 0, "synthetic.num_test", ">= 0"),
+      ("max_length", out["max_length"], is_int(out["max_length"], 2), "an int >= 2"),
+      ("on_bad", out["on_bad"], out["on_bad"] in POLICIES, f"one of {POLICIES}"),
+      ("num_epochs", out["num_epochs"],
+       out["num_epochs"] is None or is_int(out["num_epochs"], 1), "None or an int >= 1"),
+      ("num_eval", out["num_eval"], is_int(out["num_eval"], 0), "an int >= 0"),
+      ("source", out["source"], bool(out["source"]), '"synthetic" or data files'),
+      ("synthetic.num_train", syn["num_train"], is_int(syn["num_train"], 1), "an int >= 1"),
+      ("synthetic.num_test", syn["num_test"], is_int(syn["num_test"], 0), "an int >= 0"),
   ]
-  for ok, name, expected in checks:
+  for name, value, ok, expected in checks:
     if not ok:
-      value = out[name] if "." not in name else out["synthetic"][name.split(".")[1]]
       raise ValueError(f"data.{name}={value!r}; expected {expected}.")
   return out
 
@@ -157,10 +159,15 @@ class ChatData:
   def max_length(self) -> int:
     return self.config["max_length"]
 
-  def steps_per_epoch(self, batch_size: int) -> int:
-    """Global batches of `batch_size` rows per epoch; without packing exact (over
-    all epochs: floor(epochs * examples / batch_size)), with packing an upper bound."""
-    return len(self.train) // batch_size
+  def num_steps(self, batch_size: int) -> int | None:
+    """Global batches of `batch_size` rows in the whole run (None: endless).
+
+    Exact without packing: floor(num_epochs * examples / batch_size), batches may
+    straddle epochs. With packing, rows hold several examples, so this is an upper
+    bound.
+    """
+    epochs = self.config["num_epochs"]
+    return None if epochs is None else epochs * len(self.train) // batch_size
 
   def train_iterator(self, *, batch_size: int, shard_index: int | None = None,
                      shard_count: int | None = None,
@@ -177,7 +184,11 @@ class ChatData:
     ds = grain.MapDataset.source(self.train).shuffle(seed=cfg["seed"])
     ds = ds.repeat(cfg["num_epochs"])
     if cfg["num_epochs"] is not None:
-      ds = ds[:len(ds) // (rows * count) * (rows * count)]
+      usable = len(ds) // (rows * count) * (rows * count)
+      _LOG.info("data: %d epochs of %d examples; the last %d are cut to whole global "
+                "batches of %d.", cfg["num_epochs"], len(self.train), len(ds) - usable,
+                rows * count)
+      ds = ds[:usable]
     ds = ds[index::count].to_iter_dataset(_READ)
     return iter(self._rows(ds, packing=cfg["packing"], bins=rows)
                 .batch(rows, drop_remainder=True))

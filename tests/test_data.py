@@ -215,15 +215,21 @@ def test_process_shards_are_disjoint_and_form_the_global_batch(tok):
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_iterator_state_restores_the_same_batches(tok, packing):
+def test_iterator_state_restores_the_same_batches(tok, tmp_path, packing):
+  from etils import epath
+  from grain.checkpoint import CheckpointHandler   # what orbax saves grain iterators with
   cfg = _cfg(packing=packing, max_length=256 if packing else 128)
   it = load_data(cfg, tok).train_iterator(batch_size=4, shard_index=1, shard_count=2)
   _take(it, 5)
   state = json.loads(json.dumps(it.get_state()))
+  CheckpointHandler().save(epath.Path(tmp_path), it)
   expected = _take(it, 12)                       # crosses the 32-example epoch boundary
   resumed = load_data(cfg, tok).train_iterator(batch_size=4, shard_index=1, shard_count=2)
   resumed.set_state(state)
   _assert_same(_take(resumed, 12), expected)
+  restored = load_data(cfg, tok).train_iterator(batch_size=4, shard_index=1, shard_count=2)
+  CheckpointHandler().restore(epath.Path(tmp_path), restored)
+  _assert_same(_take(restored, 12), expected)
 
 
 def test_eval_batches_are_held_out_and_even_across_processes(tok):

@@ -112,7 +112,10 @@ class ParquetSource(RandomAccessDataSource):
   """One Parquet file with a `messages` column (list of struct<role, content>)."""
 
   def __init__(self, path: str, stats: DataStats):
-    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+    try:
+      import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow).") from e
     self._path = path
     schema = pq.read_schema(path)
     if "messages" not in schema.names:

@@ -1,0 +1,136 @@
+"""`python -m mars_jax.generate`: greedy AR or MARS decoding from the command line.
+
+  python -m mars_jax.generate --model HF_DIR --prompt "What is 2+3?"
+  python -m mars_jax.generate --model RUN_DIR[/STEP] --prompts prompts.jsonl \\
+      --window 5 --tau 0.95 --metric margin
+
+--model is a Hugging Face directory (config.json + safetensors + tokenizer) or a
+training run directory (latest checkpoint, or RUN_DIR/STEP). Prompts get the
+tokenizer's chat template as one user turn (--system adds a system turn;
+--raw feeds the text as is). A JSONL line is {"prompt": "..."} or
+{"messages": [{"role": ..., "content": ...}, ...]}; a trailing assistant turn is
+dropped, so chat data files work as prompt files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+
+from mars_jax import checkpoint, gates, hf, sampling
+from mars_jax.models.qwen2 import Qwen2Config
+
+
+def _load_hf_dir(path: str, dtype: str) -> tuple[Qwen2Config, Any, str]:
+  config, params = hf.load_pretrained(path, dtype=jnp.dtype(dtype))
+  return config, params, path
+
+
+def _load_run_dir(path: str, dtype: str) -> tuple[Qwen2Config, Any, str]:
+  del dtype  # a run's checkpoint loads in the dtype it was trained in
+  config, params = checkpoint.load_params(path)
+  return config, params, checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0])
+
+
+def load_model(path: str, dtype: str = "float32") -> tuple[Qwen2Config, Any, Any, int]:
+  """HF directory or training run -> (config, params, tokenizer, mask_token_id)."""
+  loader = _load_hf_dir if os.path.isfile(os.path.join(path, "config.json")) else _load_run_dir
+  config, params, tok_dir = loader(path, dtype)
+  tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
+  return config, params, tokenizer, mask_id
+
+
+def eos_ids(config: Qwen2Config, tokenizer, path: str) -> list[int]:
+  """EOS ids of config.json, generation_config.json (if any) and the tokenizer."""
+  ids = set(config.eos_token_ids)
+  gen = os.path.join(path, "generation_config.json")
+  if os.path.isfile(gen):
+    with open(gen) as f:
+      eos = json.load(f).get("eos_token_id")
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+  if tokenizer.eos_token_id is not None:
+    ids.add(tokenizer.eos_token_id)
+  return sorted(ids)
+
+
+def read_prompts(path: str) -> list[list[dict]]:
+  """JSONL of {"prompt"} or {"messages"} -> chats (trailing assistant turn dropped)."""
+  chats = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      record = json.loads(line)
+      if "messages" in record:
+        messages = list(record["messages"])
+        if messages and messages[-1]["role"] == "assistant":
+          messages.pop()
+      elif "prompt" in record:
+        messages = [{"role": "user", "content": record["prompt"]}]
+      else:
+        raise ValueError(f"{path}:{n}: expected a 'prompt' or 'messages' key.")
+      chats.append(messages)
+  return chats
+
+
+def encode(tokenizer, chats: Sequence[list[dict]], *, raw: bool) -> list[list[int]]:
+  if raw:
+    return [tokenizer.encode("".join(m["content"] for m in c), add_special_tokens=False)
+            for c in chats]
+  return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]) for c in chats]
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m mars_jax.generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", required=True, help="HF directory, or RUN_DIR[/STEP]")
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--prompt", help="one prompt (a user turn)")
+  src.add_argument("--prompts", help="JSONL file of prompts")
+  p.add_argument("--system", help="system turn put before every --prompt")
+  p.add_argument("--raw", action="store_true", help="no chat template: feed the text as is")
+  p.add_argument("--tau", type=float, default=1.0, help="gate threshold (1.0: exact AR)")
+  p.add_argument("--window", type=int, default=1,
+                 help="proposals per forward W, 1 <= W <= block size + 1 (1: AR)")
+  p.add_argument("--metric", choices=gates.METRICS, default="probability")
+  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                 help="weights of an HF directory (a run loads in its own dtype)")
+  args = p.parse_args(argv)
+
+  config, params, tokenizer, mask_id = load_model(args.model, args.dtype)
+  if args.prompt is not None:
+    chats = [([{"role": "system", "content": args.system}] if args.system else [])
+             + [{"role": "user", "content": args.prompt}]]
+  else:
+    chats = read_prompts(args.prompts)
+  prompts = encode(tokenizer, chats, raw=args.raw)
+  eos = eos_ids(config, tokenizer, args.model)
+  tokens = forwards = 0
+  start = time.perf_counter()
+  for b in range(0, len(prompts), args.batch_size):
+    out = sampling.generate(config, params, prompts[b:b + args.batch_size],
+                            max_new_tokens=args.max_new_tokens, mask_token_id=mask_id,
+                            eos_token_ids=eos, tau=args.tau, window=args.window,
+                            metric=args.metric)
+    for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
+      print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "
+            f"{len(toks) / fwd:.2f} tokens/forward")
+      print(tokenizer.decode(toks, skip_special_tokens=True))
+    tokens += sum(out.num_tokens)
+    forwards += sum(out.num_forwards)
+  seconds = time.perf_counter() - start
+  print(f"--- {len(prompts)} prompts, {tokens} tokens, {tokens / max(forwards, 1):.3f} "
+        f"tokens/forward, {tokens / seconds:.1f} tokens/s (compilation included); "
+        f"window={args.window} tau={args.tau} metric={args.metric}")
+
+
+if __name__ == "__main__":
+  main()

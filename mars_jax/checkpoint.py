@@ -81,7 +81,8 @@ class RunCheckpointer:
         os.path.join(self.run_dir, "checkpoints"),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_every,
-            enable_async_checkpointing=async_save, create=True),
+            enable_async_checkpointing=async_save, create=True,
+            cleanup_tmp_directories=True),
         item_names=("params", "opt"))
 
   def latest_step(self) -> int | None:

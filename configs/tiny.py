@@ -1,0 +1,42 @@
+"""The embedded default: a tiny Qwen2 on the synthetic arithmetic task, on 2 CPU cores.
+
+Stage 1 trains AR-SFT from random init (WORKDIR/stage1); stage 2 trains MARS (B=4)
+from it (WORKDIR/stage2); then both are evaluated on held-out problems, in AR mode
+and, for MARS, at tau 1.0 and 0.9 with window B, and the MARS weights are exported
+to WORKDIR/hf.
+
+  python -m mars_jax.train --config configs/tiny.py --workdir runs/tiny
+"""
+
+from mars_jax.train_config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.model.init = "random"
+  c.model.overrides.update(dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                                num_attention_heads=6, num_key_value_heads=2,
+                                max_position_embeddings=512, tie_word_embeddings=True,
+                                rope_theta=10000.0))
+  c.tokenizer = "char"
+  c.data.max_length = 128
+  c.data.synthetic.num_train = 20000
+  c.data.synthetic.num_test = 500
+  c.objective.kind = "mars"
+  c.objective.block_size = 4
+  c.objective.chunk_size = 128
+  c.optimizer.learning_rate = 2e-3
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.warmup_ratio = 0.03
+  c.train.batch_size = 32
+  c.train.steps = 100
+  c.train.log_every = 10
+  c.train.eval_every = 50
+  c.train.eval_batches = 2
+  c.train.checkpoint_every = 50
+  c.train.export_hf = True
+  c.stage1.enabled = True
+  c.stage1.steps = 300
+  c.final_eval.num_problems = 200
+  c.final_eval.taus = (1.0, 0.9)
+  return c

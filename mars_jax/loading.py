@@ -1,0 +1,49 @@
+"""Load a model for inference from an HF directory or a training run (checkpoint).
+
+  load_model(path) -> LoadedModel(config, params, tokenizer, mask_token_id, eos_token_ids)
+
+`path` is an HF directory (config.json + safetensors + tokenizer files), a run
+directory (its latest checkpoint), or RUN_DIR/<step>.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from mars_jax import checkpoint, hf
+from mars_jax.models.qwen2 import Qwen2Config
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  config: Qwen2Config
+  params: Any
+  tokenizer: Any
+  mask_token_id: int
+  eos_token_ids: tuple[int, ...]
+
+
+def eos_token_ids(tokenizer, config: Qwen2Config) -> tuple[int, ...]:
+  """The chat turn end (`<|im_end|>`) and the config's EOS ids, deduplicated."""
+  ids = list(config.eos_token_ids)
+  for tok in ("<|im_end|>", tokenizer.eos_token):
+    if tok is not None and tok in tokenizer.get_vocab():
+      ids.append(tokenizer.convert_tokens_to_ids(tok))
+  return tuple(dict.fromkeys(i for i in ids if i is not None and i < config.vocab_size))
+
+
+def load_model(path: str, **runtime) -> LoadedModel:
+  """Config, params and tokenizer (with `<|mask|>`) from an HF dir or a training run."""
+  if os.path.isfile(os.path.join(path, "config.json")):
+    config, params = hf.load_pretrained(path, **runtime)
+    tok_dir = path
+  else:
+    config, params = checkpoint.load_params(path, **runtime)
+    tok_dir = checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0])
+    if not os.path.isdir(tok_dir):
+      raise FileNotFoundError(f"{tok_dir}: the run saved no tokenizer; export it with a "
+                              "tokenizer or pass an HF directory.")
+  tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
+  return LoadedModel(config, params, tokenizer, mask_id, eos_token_ids(tokenizer, config))

@@ -1,0 +1,107 @@
+"""The experiment ConfigDict: every field with its default, and its typed views.
+
+configs/*.py start from `base_config()` and override; command-line overrides
+(`--config.a.b=value`) can only set fields that exist here, so a typo is an error.
+`typed(cfg)` builds the typed per-concern configs and checks every value before
+anything is compiled.
+
+  model.init        "random" (preset + overrides), an HF directory, or an earlier
+                    run's directory (stage 2 from stage 1: its latest checkpoint)
+  model.preset      Qwen2.5 shape for random init ("qwen2.5-0.5b", ...)
+  model.overrides   Qwen2Config fields over the preset (a tiny model for CPU)
+  model.dtype, model.param_dtype, model.attention_impl, model.remat, model.scan_layers
+  tokenizer         "char" (the embedded task's tokenizer), an HF directory, or None:
+                    the tokenizer of model.init
+  objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...)
+  optimizer.*       mars_jax.optimizer.OptimizerConfig (total_steps comes from train.steps)
+  data.*            mars_jax.data.default_config()
+  mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
+  train.*           batch_size (global), micro_batches, steps (None: from data epochs),
+                    seed, log_every, eval_every, eval_batches, checkpoint_every,
+                    max_to_keep, async_checkpoint, export_hf, export_dtype
+  stage1.*          optional AR-SFT stage run first (enabled, steps, learning_rate);
+                    the main stage then starts from it
+  final_eval.*      after training: accuracy and tokens per forward on the synthetic
+                    test split (num_problems 0 = skip), at each tau, window, gate
+  distributed.*     coordinator_address, num_processes, process_id, port
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from mars_jax import data as data_lib
+from mars_jax.models import qwen2
+from mars_jax.objective import ObjectiveConfig
+from mars_jax.optimizer import OptimizerConfig
+from mars_jax.sharding import MeshConfig
+
+placeholder = ml_collections.config_dict.placeholder
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict(dict(
+      init="random", preset="qwen2.5-0.5b", overrides=ml_collections.ConfigDict(),
+      dtype="float32", param_dtype="float32", attention_impl="xla", remat="none",
+      scan_layers=True))
+  c.tokenizer = placeholder(str)
+  c.objective = ml_collections.ConfigDict(dict(
+      kind="mars", block_size=4, ar_weight=1.0, intra_block="causal",
+      normalization="sequence", chunk_size=256))
+  c.optimizer = ml_collections.ConfigDict(dict(
+      learning_rate=5e-6, warmup_ratio=0.03, decay="cosine", final_lr_ratio=0.0,
+      weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=1.0))
+  c.data = data_lib.default_config()
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.train = ml_collections.ConfigDict(dict(
+      batch_size=32, micro_batches=1, steps=placeholder(int), seed=0, log_every=10,
+      eval_every=200, eval_batches=4, checkpoint_every=200, max_to_keep=3,
+      async_checkpoint=True, export_hf=False, export_dtype=placeholder(str)))
+  c.stage1 = ml_collections.ConfigDict(dict(
+      enabled=False, steps=placeholder(int), learning_rate=placeholder(float)))
+  c.final_eval = ml_collections.ConfigDict(dict(
+      num_problems=0, taus=(1.0, 0.9), metric="probability", window=placeholder(int),
+      batch_size=64, max_new_tokens=64))
+  c.distributed = ml_collections.ConfigDict(dict(
+      coordinator_address=placeholder(str), num_processes=placeholder(int),
+      process_id=placeholder(int), port=12355))
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Typed:
+  objective: ObjectiveConfig
+  optimizer: OptimizerConfig
+  mesh: MeshConfig
+
+
+def objective_config(cfg, mask_token_id: int | None) -> ObjectiveConfig:
+  return ObjectiveConfig(mask_token_id=mask_token_id, **cfg.objective.to_dict())
+
+
+def typed(cfg, *, total_steps: int, mask_token_id: int | None) -> Typed:
+  """Typed configs of one stage; raises ValueError naming the bad field."""
+  if cfg.train.batch_size < 1 or cfg.train.micro_batches < 1:
+    raise ValueError(f"train.batch_size={cfg.train.batch_size}, train.micro_batches="
+                     f"{cfg.train.micro_batches}; both must be >= 1.")
+  if cfg.train.batch_size % cfg.train.micro_batches:
+    raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
+                     f"train.micro_batches={cfg.train.micro_batches}.")
+  return Typed(objective=objective_config(cfg, mask_token_id),
+               optimizer=OptimizerConfig(total_steps=total_steps, **cfg.optimizer.to_dict()),
+               mesh=MeshConfig(**cfg.mesh.to_dict()))
+
+
+def random_model_config(cfg, **extra) -> qwen2.Qwen2Config:
+  """The Qwen2Config of model.init="random": preset + overrides + runtime fields."""
+  return qwen2.preset(cfg.model.preset, **{**cfg.model.overrides.to_dict(), **extra,
+                                           **runtime_fields(cfg)})
+
+
+def runtime_fields(cfg) -> dict:
+  m = cfg.model
+  return dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
+              remat=m.remat, scan_layers=m.scan_layers)

@@ -77,10 +77,11 @@ class RunCheckpointer:
   def __init__(self, run_dir: str, *, max_to_keep: int = 3, save_every: int = 1000,
                async_save: bool = True):
     self.run_dir = os.path.abspath(run_dir)
+    self.save_every = save_every
     self.manager = ocp.CheckpointManager(
         os.path.join(self.run_dir, "checkpoints"),
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, save_interval_steps=save_every,
+            max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save, create=True,
             cleanup_tmp_directories=True),
         item_names=("params", "opt"))
@@ -95,7 +96,7 @@ class RunCheckpointer:
   def save(self, step: int, params: Any, opt: Any, data_state: Any, *,
            force: bool = False) -> bool:
     """Saves when `step` is due (or `force`); returns whether a save started."""
-    if not (force or self.manager.should_save(step)):
+    if not (force or step % self.save_every == 0):
       return False
     path = self._data_path(step)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -103,7 +104,7 @@ class RunCheckpointer:
       json.dump(data_state, f)
     os.replace(path + ".tmp", path)
     return self.manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt)), force=force)
+        params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt)), force=True)
 
   def restore(self, step: int, abstract_params: Any, abstract_opt: Any) -> tuple[Any, Any, Any]:
     """Restores `step` into the given shardings -> (params, opt, this process's data state)."""

@@ -65,7 +65,10 @@ def stage1_config(cfg):
 def run(cfg, workdir: str, *, show_progress: bool = True) -> dict:
   """Every stage, the final evaluation and the export. Returns a summary dict."""
   import jax  # pylint: disable=import-outside-toplevel
-  from mars_jax import hf, trainer  # pylint: disable=import-outside-toplevel
+  from mars_jax import hf, train_config, trainer  # pylint: disable=import-outside-toplevel
+  train_config.validate(cfg)
+  if cfg.stage1.enabled:
+    train_config.validate(stage1_config(cfg))
   config, params, tok, mask_id = _model_and_tokenizer(cfg)
   summary: dict = {"stages": {}}
   stages = [("stage1", stage1_config(cfg)), ("stage2", cfg)] if cfg.stage1.enabled else [
@@ -85,6 +88,11 @@ def run(cfg, workdir: str, *, show_progress: bool = True) -> dict:
             f"{last['loss']:.4f}" + (f" eval_loss {last['eval_loss']:.4f}"
                                      if "eval_loss" in last else "")
             + f" ({res.wall_s:.0f}s)", flush=True)
+    if not res.finished:
+      print(f"[{name}] stopped at train.stop_at_step={cfg.train.stop_at_step}; rerun "
+            "without it (or with a later step) to resume.", flush=True)
+      summary["stopped"] = True
+      return summary
   gathered = {k: _host_params(v) for k, v in models.items()}
   if cfg.final_eval.num_problems > 0:
     summary["final_eval"] = _final_eval(cfg, config, gathered, tok, mask_id)

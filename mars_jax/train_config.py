@@ -18,7 +18,9 @@ anything is compiled.
   mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
   train.*           batch_size (global), micro_batches, steps (None: from data epochs),
                     seed, log_every, eval_every, eval_batches, checkpoint_every,
-                    max_to_keep, async_checkpoint, export_hf, export_dtype
+                    max_to_keep, async_checkpoint, export_hf, export_dtype,
+                    stop_at_step (end this invocation early, checkpointed, as a
+                    preemption would; a rerun resumes)
   stage1.*          optional AR-SFT stage run first (enabled, steps, learning_rate);
                     the main stage then starts from it
   final_eval.*      after training: accuracy and tokens per forward on the synthetic
@@ -59,7 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       batch_size=32, micro_batches=1, steps=placeholder(int), seed=0, log_every=10,
       eval_every=200, eval_batches=4, checkpoint_every=200, max_to_keep=3,
-      async_checkpoint=True, export_hf=False, export_dtype=placeholder(str)))
+      async_checkpoint=True, export_hf=False, export_dtype=placeholder(str),
+      stop_at_step=placeholder(int)))
   c.stage1 = ml_collections.ConfigDict(dict(
       enabled=False, steps=placeholder(int), learning_rate=placeholder(float)))
   c.final_eval = ml_collections.ConfigDict(dict(
@@ -93,6 +96,21 @@ def typed(cfg, *, total_steps: int, mask_token_id: int | None) -> Typed:
   return Typed(objective=objective_config(cfg, mask_token_id),
                optimizer=OptimizerConfig(total_steps=total_steps, **cfg.optimizer.to_dict()),
                mesh=MeshConfig(**cfg.mesh.to_dict()))
+
+
+def validate(cfg) -> None:
+  """Checks every field that can be checked without data or devices (fails fast)."""
+  typed(cfg, total_steps=max(cfg.train.steps or 1, 1), mask_token_id=0)
+  for name in ("log_every", "eval_every", "checkpoint_every", "max_to_keep"):
+    if cfg.train[name] < 1:
+      raise ValueError(f"train.{name}={cfg.train[name]}; must be >= 1.")
+  if cfg.model.init == "random":
+    random_model_config(cfg)
+  else:
+    qwen2.Qwen2Config(vocab_size=1, hidden_size=2, intermediate_size=1, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, **runtime_fields(cfg))
+  if cfg.final_eval.num_problems < 0 or cfg.final_eval.max_new_tokens < 1:
+    raise ValueError("final_eval.num_problems must be >= 0 and max_new_tokens >= 1.")
 
 
 def random_model_config(cfg, **extra) -> qwen2.Qwen2Config:

@@ -36,6 +36,7 @@ class StageResult:
   params: Any                 # sharded over the stage's mesh
   history: list[dict]         # one dict of logged metrics per log step
   wall_s: float
+  finished: bool              # False when train.stop_at_step ended it early
 
 
 class MetricsWriter:
@@ -141,8 +142,9 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
              disable=pid != 0 or not show_progress, dynamic_ncols=True)
   tokens_per_step = batch_size * data.max_length
   last_t, last_step = time.time(), start
+  end = min(total, cfg.train.stop_at_step or total)
   try:
-    for step in range(start, total):
+    for step in range(start, end):
       state, metrics = step_fn(state, global_batch(next(it), batch_sharding))
       done = step + 1
       if done % cfg.train.log_every == 0 or done == total:
@@ -158,10 +160,10 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
       bar.update(1)
       ckpt.save(done, state.params, {"step": state.step, "opt_state": state.opt_state},
-                it.get_state(), force=done == total)
+                it.get_state(), force=done == end)
   finally:
     bar.close()
     writer.close()
     ckpt.close()
   return StageResult(config=model_config, params=state.params, history=history,
-                     wall_s=time.time() - t0)
+                     wall_s=time.time() - t0, finished=end == total)

@@ -123,3 +123,36 @@ def runtime_fields(cfg) -> dict:
   m = cfg.model
   return dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
               remat=m.remat, scan_layers=m.scan_layers)
+
+
+def paper_config(*, model_dir: str, kind: str, fsdp: int, micro_batches: int,
+                 remat: str) -> ml_collections.ConfigDict:
+  """The paper's recipe on a real Qwen2.5-Instruct checkpoint: 5 epochs, lr 5e-6, warmup
+  0.03 then cosine, effective batch 384, length 512, B=4, ar_weight 1; bfloat16 compute
+  over float32 master weights. `model_dir` and `data.source` are local paths (override
+  them on the command line); stage 2 (`kind="mars"`) starts from the stage-1 run dir."""
+  c = base_config()
+  c.model.init = model_dir
+  c.model.dtype = "bfloat16"
+  c.model.remat = remat
+  c.objective.kind = kind
+  c.objective.block_size = 4
+  c.objective.ar_weight = 1.0
+  c.objective.chunk_size = 128
+  c.optimizer.learning_rate = 5e-6
+  c.optimizer.warmup_ratio = 0.03
+  c.optimizer.decay = "cosine"
+  c.data.source = "data/dolci_instruct_sft/*.jsonl"
+  c.data.num_eval = 512
+  c.data.max_length = 512
+  c.data.num_epochs = 5
+  c.mesh.data = -1
+  c.mesh.fsdp = fsdp
+  c.train.batch_size = 384
+  c.train.micro_batches = micro_batches
+  c.train.log_every = 10
+  c.train.eval_every = 500
+  c.train.checkpoint_every = 500
+  c.train.export_hf = True
+  c.train.export_dtype = "bfloat16"
+  return c

@@ -1,0 +1,12 @@
+"""Stage 1 for Qwen2.5-0.5B-Instruct: plain AR SFT with the paper's recipe.
+
+  python -m mars_jax.train --config configs/qwen2_5_0_5b_ar_sft.py --workdir runs/0.5b_sft \
+      --config.model.init=/models/Qwen2.5-0.5B-Instruct --config.data.source=/data/sft/*.jsonl
+"""
+
+from mars_jax.train_config import paper_config
+
+
+def get_config():
+  return paper_config(model_dir="models/Qwen2.5-0.5B-Instruct", kind="ar_sft", fsdp=1,
+                      micro_batches=4, remat="none")

@@ -1,0 +1,14 @@
+"""Stage 1 for Qwen2.5-7B-Instruct on 8 GPUs (the paper: 8 H200s), FSDP over all devices.
+
+  python -m mars_jax.train --config configs/qwen2_5_7b_ar_sft.py --workdir runs/7b_sft \
+      --config.model.init=/models/Qwen2.5-7B-Instruct --config.data.source=/data/sft/*.jsonl
+"""
+
+from mars_jax.train_config import paper_config
+
+
+def get_config():
+  c = paper_config(model_dir="models/Qwen2.5-7B-Instruct", kind="ar_sft", fsdp=-1,
+                   micro_batches=8, remat="full")
+  c.mesh.data = 1
+  return c

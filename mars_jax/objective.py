@@ -1,0 +1,303 @@
+"""The MARS and AR-SFT objectives: two-stream batches, chunked cross-entropy, metrics.
+
+A batch is `{"tokens": int32[b, L], "loss_mask": bool[b, L]}` plus optionally
+`"segment_ids": int32[b, L]` (packed rows: contiguous runs, 0 = padding) and
+`"positions": int32[b, L]` (RoPE positions; default: per-segment positions when
+segments are given, else 0..L-1). The output at position p predicts
+`tokens[p+1]` and counts where `loss_mask[p+1]` (within one segment), in both
+streams (DESIGN.md §1).
+
+Losses are computed as sums (`objective_sums`) and normalised once at the end
+(`finalize`), so that micro-batch accumulation and data parallelism give exactly
+the loss of the whole batch:
+
+  "sequence"  each sequence (row, or segment of a packed row) contributes the
+              mean CE over its targets; the loss is the mean over sequences
+              (a sequence without targets contributes 0 but still counts);
+  "token"     sum of CE over all targets / number of targets.
+
+The unembedding and cross-entropy run over chunks of the sequence in a
+`lax.scan` whose body is rematerialised, so float32 logits exist for one chunk
+`[b, chunk, vocab]` at a time, forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mars_jax import masks
+from mars_jax.models import qwen2
+
+Array = jax.Array
+Batch = dict[str, Array]
+KINDS = ("mars", "ar_sft")
+NORMALIZATIONS = ("sequence", "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+  """What the train step optimises.
+
+  kind: "mars" (two streams, stage 2) or "ar_sft" (plain causal, stage 1).
+  block_size: B, the MARS block size. mask_token_id: id of `<|mask|>` (mars only).
+  ar_weight: weight of the clean-stream AR term (0 = the "no SFT loss" ablation).
+  intra_block: "causal" (MARS) or "bidirectional" (Block Diffusion baseline).
+  normalization: "sequence" or "token". chunk_size: sequence positions per
+  cross-entropy chunk; None computes full logits at once (reference only).
+  """
+
+  kind: str = "mars"
+  block_size: int = 4
+  mask_token_id: int | None = None
+  ar_weight: float = 1.0
+  intra_block: str = "causal"
+  normalization: str = "sequence"
+  chunk_size: int | None = 256
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"objective.kind={self.kind!r}; expected one of {list(KINDS)}.")
+    if self.block_size < 1:
+      raise ValueError(f"objective.block_size={self.block_size}; must be >= 1.")
+    if self.kind == "mars" and (self.mask_token_id is None or self.mask_token_id < 0):
+      raise ValueError("objective.mask_token_id is required for kind='mars' (the id of "
+                       "<|mask|>, see mars_jax.hf.load_tokenizer).")
+    if self.ar_weight < 0:
+      raise ValueError(f"objective.ar_weight={self.ar_weight}; must be >= 0.")
+    if self.intra_block not in masks.INTRA_BLOCK:
+      raise ValueError(f"objective.intra_block={self.intra_block!r}; expected one of "
+                       f"{list(masks.INTRA_BLOCK)}.")
+    if self.normalization not in NORMALIZATIONS:
+      raise ValueError(f"objective.normalization={self.normalization!r}; expected one of "
+                       f"{list(NORMALIZATIONS)}.")
+    if self.chunk_size is not None and self.chunk_size < 1:
+      raise ValueError(f"objective.chunk_size={self.chunk_size}; must be >= 1 or None.")
+
+
+# ---- batch fields ------------------------------------------------------------------
+
+
+def prepare(batch: Batch) -> dict[str, Array]:
+  """Validated fields of a batch, with the defaults filled in.
+
+  -> tokens, segment_ids, positions: int32[b, L]; loss_mask: bool[b, L];
+     labels: int32[b, L] (labels[p] = tokens[p+1]); target: bool[b, L] (output p counts).
+  """
+  for key in ("tokens", "loss_mask"):
+    if key not in batch:
+      raise KeyError(f"batch has no {key!r} (keys: {sorted(batch)}).")
+  tokens = jnp.asarray(batch["tokens"])
+  if tokens.ndim != 2:
+    raise ValueError(f"batch['tokens'] must be [b, L], got shape {tokens.shape}.")
+  for key in ("loss_mask", "segment_ids", "positions"):
+    if key in batch and jnp.shape(batch[key]) != tokens.shape:
+      raise ValueError(f"batch[{key!r}] has shape {jnp.shape(batch[key])}; expected "
+                       f"{tokens.shape} like batch['tokens'].")
+  tokens = tokens.astype(jnp.int32)
+  loss_mask = jnp.asarray(batch["loss_mask"]).astype(bool)
+  if "segment_ids" in batch:
+    seg = jnp.asarray(batch["segment_ids"]).astype(jnp.int32)
+    default_pos = masks.segment_positions(seg)
+  else:
+    seg = jnp.ones_like(tokens)
+    default_pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                   tokens.shape)
+  positions = jnp.asarray(batch.get("positions", default_pos)).astype(jnp.int32)
+  labels = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  same_next = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0)
+  target = jnp.concatenate([loss_mask[:, 1:] & same_next,
+                            jnp.zeros_like(loss_mask[:, :1])], axis=1)
+  return dict(tokens=tokens, loss_mask=loss_mask, segment_ids=seg, positions=positions,
+              labels=labels, target=target)
+
+
+def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
+                      intra_block: str = "causal") -> tuple[Array, Array, Array]:
+  """Model inputs of the two-stream pass over [clean | noisy].
+
+  -> tokens: int32[b, 2L] (noisy = MASK on every loss_mask token), positions:
+     int32[b, 2L] (the same positions twice), attn_mask: bool[b, 2L, 2L].
+  """
+  f = prepare(batch)
+  noisy = jnp.where(f["loss_mask"], jnp.int32(mask_token_id), f["tokens"])
+  tokens = jnp.concatenate([f["tokens"], noisy], axis=1)
+  positions = jnp.concatenate([f["positions"], f["positions"]], axis=1)
+  attn_mask = masks.two_stream_segment_mask(f["segment_ids"], f["positions"], block_size,
+                                            intra_block=intra_block)
+  return tokens, positions, attn_mask
+
+
+def sequence_weights(target: Array, segment_ids: Array,
+                     normalization: str) -> tuple[Array, Array]:
+  """Per-output weights and the loss denominator.
+
+  target: bool[b, L]; segment_ids: int32[b, L] (contiguous runs, 0 = padding)
+  -> weights: float32[b, L], denom: float32[] such that the loss is
+     sum(weights * ce) / denom (see the module docstring).
+  """
+  t = target.astype(jnp.float32)
+  if normalization == "token":
+    return t, jnp.sum(t)
+  if normalization != "sequence":
+    raise ValueError(f"normalization={normalization!r}; expected one of "
+                     f"{list(NORMALIZATIONS)}.")
+  length = target.shape[1]
+  new_run = jnp.concatenate(
+      [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+      axis=1)
+  runs = jnp.cumsum(new_run, axis=1) - 1
+  per_run = jax.vmap(lambda v, r: jax.ops.segment_sum(v, r, num_segments=length))(t, runs)
+  count = jnp.take_along_axis(per_run, runs, axis=1)
+  weights = t / jnp.maximum(count, 1.0)
+  num_sequences = jnp.sum((new_run & (segment_ids != 0)).astype(jnp.float32))
+  return weights, num_sequences
+
+
+# ---- chunked unembedding + cross-entropy --------------------------------------------
+
+
+def _cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
+  """logits: float32[..., V]; labels: int32[...] -> (ce: float32[...], correct: bool[...])."""
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  return lse - picked, jnp.argmax(logits, axis=-1) == labels
+
+
+def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
+                        labels: Array, *, chunk_size: int | None) -> tuple[Array, Array]:
+  """Per-position CE and top-1 correctness of the unembedded hidden states.
+
+  hidden: [b, t, embed] (final-normed); labels: int32[b, t]
+  -> ce: float32[b, t], correct: bool[b, t].
+  With `chunk_size`, the t axis is cut into chunks of that many positions and
+  scanned; each chunk's float32 logits [b, chunk, vocab] are recomputed in the
+  backward pass instead of stored. `chunk_size=None` builds [b, t, vocab] at once.
+  """
+  head = {k: params[k] for k in ("embedding", "lm_head") if k in params}
+  if chunk_size is None:
+    return _cross_entropy(qwen2.unembed(config, head, hidden), labels)
+  b, t, e = hidden.shape
+  c = min(chunk_size, t)
+  n = -(-t // c)
+  pad = n * c - t
+  hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, e).swapaxes(0, 1)
+  ys = jnp.pad(labels, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def chunk(head, h, y):
+    return _cross_entropy(qwen2.unembed(config, head, h), y)
+
+  _, (ce, correct) = jax.lax.scan(lambda _, xs: (None, chunk(head, *xs)), None, (hs, ys))
+  unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  return unchunk(ce), unchunk(correct)
+
+
+# ---- objectives as sums -----------------------------------------------------------
+
+
+def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
+              mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
+              normalization: str = "sequence", chunk_size: int | None = 256
+              ) -> dict[str, Array]:
+  """Unnormalised MARS loss and metric sums of one batch (see `finalize`).
+
+  One forward pass over [clean | noisy] (2L positions). Sums: loss, ce_ar, ce_mask,
+  denom, targets, correct_ar: float32[]; correct_offset, count_offset: float32[B]
+  (noisy-stream outputs at in-block offset 1..B: slot j of a block, whose target is
+  j+1 tokens past the last clean token it sees).
+  """
+  f = prepare(batch)
+  length = f["tokens"].shape[1]
+  tokens, positions, attn_mask = two_stream_inputs(
+      batch, block_size=block_size, mask_token_id=mask_token_id, intra_block=intra_block)
+  hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask)
+  labels = jnp.concatenate([f["labels"], f["labels"]], axis=1)
+  ce, correct = token_cross_entropy(config, params, hidden, labels, chunk_size=chunk_size)
+  weights, denom = sequence_weights(f["target"], f["segment_ids"], normalization)
+  target = f["target"].astype(jnp.float32)
+  ce_ar = jnp.sum(weights * ce[:, :length])
+  ce_mask = jnp.sum(weights * ce[:, length:])
+  offset = jax.nn.one_hot(f["positions"] % block_size, block_size) * target[..., None]
+  return dict(
+      loss=ce_mask + ar_weight * ce_ar, ce_ar=ce_ar, ce_mask=ce_mask, denom=denom,
+      targets=jnp.sum(target), correct_ar=jnp.sum(target * correct[:, :length]),
+      correct_offset=jnp.einsum("blk,bl->k", offset, correct[:, length:].astype(jnp.float32)),
+      count_offset=jnp.sum(offset, axis=(0, 1)))
+
+
+def ar_sft_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
+                normalization: str = "sequence", chunk_size: int | None = 256
+                ) -> dict[str, Array]:
+  """Unnormalised AR-SFT sums (plain causal pass over L): loss, ce_ar, denom, targets,
+  correct_ar: float32[]."""
+  f = prepare(batch)
+  attn_mask = masks.segment_causal_mask(f["segment_ids"])
+  hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask)
+  ce, correct = token_cross_entropy(config, params, hidden, f["labels"],
+                                    chunk_size=chunk_size)
+  weights, denom = sequence_weights(f["target"], f["segment_ids"], normalization)
+  target = f["target"].astype(jnp.float32)
+  ce_ar = jnp.sum(weights * ce)
+  return dict(loss=ce_ar, ce_ar=ce_ar, denom=denom, targets=jnp.sum(target),
+              correct_ar=jnp.sum(target * correct))
+
+
+def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
+                   objective: ObjectiveConfig) -> dict[str, Array]:
+  """`mars_sums` or `ar_sft_sums` as `objective.kind` says."""
+  if objective.kind == "ar_sft":
+    return ar_sft_sums(config, params, batch, normalization=objective.normalization,
+                       chunk_size=objective.chunk_size)
+  return mars_sums(config, params, batch, block_size=objective.block_size,
+                   mask_token_id=objective.mask_token_id, ar_weight=objective.ar_weight,
+                   intra_block=objective.intra_block,
+                   normalization=objective.normalization, chunk_size=objective.chunk_size)
+
+
+def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+  """Sums (of one batch, or added over micro-batches) -> (loss, metrics).
+
+  metrics (float32 scalars): loss, ce_ar, acc_ar, targets, and for MARS ce_mask and
+  acc_offset_1 .. acc_offset_B.
+  """
+  denom = jnp.maximum(sums["denom"], 1.0)
+  targets = jnp.maximum(sums["targets"], 1.0)
+  loss = sums["loss"] / denom
+  metrics = dict(loss=loss, ce_ar=sums["ce_ar"] / denom, acc_ar=sums["correct_ar"] / targets,
+                 targets=sums["targets"])
+  if "ce_mask" in sums:
+    metrics["ce_mask"] = sums["ce_mask"] / denom
+    acc = sums["correct_offset"] / jnp.maximum(sums["count_offset"], 1.0)
+    for j in range(acc.shape[0]):
+      metrics[f"acc_offset_{j + 1}"] = acc[j]
+  return loss, metrics
+
+
+# ---- public losses ---------------------------------------------------------------
+
+
+def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
+              mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
+              normalization: str = "sequence", chunk_size: int | None = 256
+              ) -> tuple[Array, dict[str, Array]]:
+  """L = CE_mask + ar_weight * CE_AR from one two-stream pass (DESIGN.md §1).
+
+  batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
+  "positions": int32[b, L]). -> (loss: float32[], metrics: see `finalize`).
+  """
+  return finalize(mars_sums(config, params, batch, block_size=block_size,
+                            mask_token_id=mask_token_id, ar_weight=ar_weight,
+                            intra_block=intra_block, normalization=normalization,
+                            chunk_size=chunk_size))
+
+
+def ar_sft_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
+                normalization: str = "sequence", chunk_size: int | None = 256
+                ) -> tuple[Array, dict[str, Array]]:
+  """Stage-1 AR SFT: causal CE on response tokens only. -> (loss, metrics)."""
+  return finalize(ar_sft_sums(config, params, batch, normalization=normalization,
+                              chunk_size=chunk_size))

@@ -1,0 +1,270 @@
+"""The one-pass MARS loss equals separate causal passes; chunked equals naive; it trains.
+
+The jitted helpers take the config and loss options as static arguments, so tests
+that use the same settings share one compilation.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mars_jax import objective, optimizer, sharding, train_step
+from mars_jax.models import qwen2
+
+TOL = 1e-5
+VOCAB = 64
+MASK = VOCAB - 1
+OPTIONS = ("block_size", "ar_weight", "intra_block", "normalization", "chunk_size")
+
+
+def tiny_config(tie=True):
+  """Unrolled layers compile twice as fast on CPU (test_sharding runs the scanned stack)."""
+  return qwen2.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           rope_theta=10000.0, tie_word_embeddings=tie, scan_layers=False)
+
+
+def random_params(config, seed=0):
+  """Weights large enough that every attention edge moves the loss well above 1e-5."""
+  rng = np.random.default_rng(seed)
+  def draw(path, x):
+    name = path[-1].key
+    if name == "scale":
+      return jnp.asarray(1.0 + 0.1 * rng.standard_normal(x.shape), jnp.float32)
+    return jnp.asarray((0.1 if name.endswith("bias") else 0.25)
+                       * rng.standard_normal(x.shape), jnp.float32)
+  return jax.tree_util.tree_map_with_path(draw, qwen2.abstract_params(config))
+
+
+def ragged_batch(length=11, seed=0):
+  """Prompts of different lengths, right padding, one row without any target."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, MASK, (3, length)).astype(np.int32)
+  loss_mask = np.zeros((3, length), bool)
+  loss_mask[0, 3:] = True
+  loss_mask[1, 5:9] = True
+  return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=OPTIONS)
+def mars_vg(config, params, batch, block_size=4, ar_weight=1.0, intra_block="causal",
+            normalization="sequence", chunk_size=256):
+  """((loss, metrics), grads) of the one-pass `mars_loss`."""
+  return jax.value_and_grad(
+      lambda p: objective.mars_loss(config, p, batch, block_size=block_size,
+                                    mask_token_id=MASK, ar_weight=ar_weight,
+                                    intra_block=intra_block, normalization=normalization,
+                                    chunk_size=chunk_size), has_aux=True)(params)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("normalization",))
+def ar_vg(config, params, batch, normalization="sequence"):
+  return jax.value_and_grad(
+      lambda p: objective.ar_sft_loss(config, p, batch, normalization=normalization),
+      has_aux=True)(params)
+
+
+def ce(logits, labels):
+  return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[
+      ..., 0]
+
+
+def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causal",
+                       normalization="sequence"):
+  """DESIGN §1 with plain forward passes: the clean stream alone, and for each block k
+  the clean tokens of blocks < k followed by the noisy tokens of block k.
+
+  The passes are stacked as rows of one forward call (each row right-padded to L,
+  which a causal row never attends to), so the reference compiles once.
+  """
+  tokens, loss_mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["loss_mask"])
+  b, length = tokens.shape
+  labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1)
+  target = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((b, 1), bool)], 1).astype(jnp.float32)
+  noisy = jnp.where(loss_mask, MASK, tokens)
+  starts = list(range(0, length, block))
+  seqs, pass_masks = [tokens], [np.tril(np.ones((length, length), bool))]
+  for start in starts:
+    end = min(start + block, length)
+    seqs.append(jnp.concatenate([tokens[:, :start], noisy[:, start:end], tokens[:, end:]], 1))
+    mask = np.tril(np.ones((length, length), bool))
+    if intra == "bidirectional":
+      mask[start:end, start:end] = True
+    pass_masks.append(mask)
+  n = len(seqs)
+  logits = qwen2.forward(
+      config, params, jnp.concatenate(seqs, 0),
+      jnp.broadcast_to(jnp.arange(length), (n * b, length)),
+      jnp.asarray(np.repeat(np.stack(pass_masks), b, axis=0))).reshape(n, b, length, -1)
+  ce_clean = ce(logits[0], labels)
+  ce_noisy = jnp.concatenate([ce(logits[k + 1][:, s:s + block], labels[:, s:s + block])
+                              for k, s in enumerate(starts)], 1)
+  if normalization == "sequence":
+    weights = target / jnp.maximum(target.sum(1, keepdims=True), 1.0)
+    denom = b
+  else:
+    weights, denom = target, target.sum()
+  return (jnp.sum(weights * ce_noisy) + ar_weight * jnp.sum(weights * ce_clean)) / denom
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def separate_vg(config, params, batch, block, intra="causal", normalization="sequence"):
+  return jax.value_and_grad(lambda p: separate_pass_loss(
+      config, p, batch, block, intra=intra, normalization=normalization))(params)
+
+
+def max_tree_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                            jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("tie,block,normalization,length", [
+    (True, 4, "sequence", 11), (False, 3, "token", 12), (True, 5, "sequence", 11)])
+def test_one_pass_equals_separate_passes(tie, block, normalization, length):
+  config = tiny_config(tie)
+  params = random_params(config)
+  batch = ragged_batch(length)
+  (loss, _), grads = mars_vg(config, params, batch, block_size=block,
+                             normalization=normalization)
+  ref_loss, ref_grads = separate_vg(config, params, batch, block, "causal", normalization)
+  assert abs(float(loss) - float(ref_loss)) < TOL, (float(loss), float(ref_loss))
+  assert max_tree_diff(grads, ref_grads) < TOL
+
+
+def test_bidirectional_equals_separate_passes_and_leaves_ar_term_alone():
+  config = tiny_config()
+  params = random_params(config)
+  batch = ragged_batch()
+  (loss, bidir), grads = mars_vg(config, params, batch, intra_block="bidirectional")
+  ref_loss, ref_grads = separate_vg(config, params, batch, 4, "bidirectional", "sequence")
+  assert abs(float(loss) - float(ref_loss)) < TOL
+  assert max_tree_diff(grads, ref_grads) < TOL
+  (_, causal), _ = mars_vg(config, params, batch)
+  assert abs(float(causal["ce_ar"]) - float(bidir["ce_ar"])) < TOL
+  assert abs(float(causal["ce_mask"]) - float(bidir["ce_mask"])) > 1e-3
+
+
+def test_ar_weight_zero_removes_exactly_the_ar_term():
+  config = tiny_config()
+  params = random_params(config)
+  batch = ragged_batch()
+  (loss1, m1), g1 = mars_vg(config, params, batch, ar_weight=1.0)
+  (loss0, m0), g0 = mars_vg(config, params, batch, ar_weight=0.0)
+  (ar, _), g_ar = ar_vg(config, params, batch)
+  assert abs(float(loss0) - float(m0["ce_mask"])) < TOL
+  assert abs(float(loss1 - loss0) - float(ar)) < TOL
+  assert abs(float(m1["ce_ar"]) - float(ar)) < TOL  # the clean stream is AR training
+  assert max_tree_diff(jax.tree.map(jnp.subtract, g1, g0), g_ar) < TOL
+
+
+def test_ar_sft_loss_is_causal_ce_on_response_tokens():
+  config = tiny_config()
+  params = random_params(config)
+  batch = ragged_batch()
+  tokens = jnp.asarray(batch["tokens"])
+  b, length = tokens.shape
+  logits = jax.jit(qwen2.forward, static_argnums=0)(
+      config, params, tokens, jnp.broadcast_to(jnp.arange(length), (b, length)),
+      jnp.broadcast_to(np.tril(np.ones((length, length), bool)), (b, length, length)))
+  per_tok = ce(logits[:, :-1], tokens[:, 1:])
+  target = batch["loss_mask"][:, 1:]
+  ref = np.mean([float(jnp.sum(per_tok[r] * target[r]) / max(target[r].sum(), 1))
+                 for r in range(b)])
+  (loss, metrics), _ = ar_vg(config, params, batch)
+  assert abs(float(loss) - ref) < TOL
+  assert float(metrics["targets"]) == target.sum()
+
+
+@pytest.mark.parametrize("tie,chunk", [(True, 5), (False, 1)])
+def test_chunked_loss_equals_naive(tie, chunk):
+  config = tiny_config(tie)
+  params = random_params(config)
+  batch = ragged_batch()
+  (l_naive, m_naive), g_naive = mars_vg(config, params, batch, chunk_size=None)
+  (l_chunk, m_chunk), g_chunk = mars_vg(config, params, batch, chunk_size=chunk)
+  assert abs(float(l_naive) - float(l_chunk)) < TOL
+  assert max_tree_diff(g_naive, g_chunk) < TOL
+  for key in m_naive:
+    assert abs(float(m_naive[key]) - float(m_chunk[key])) < TOL, key
+
+
+def test_packed_rows_equal_unpacked_rows():
+  config = tiny_config()
+  params = random_params(config)
+  rng = np.random.default_rng(3)
+  a, b = rng.integers(0, MASK, 6), rng.integers(0, MASK, 9)
+  ma, mb = np.arange(6) >= 2, np.arange(9) >= 4
+  unpacked = {"tokens": np.zeros((2, 9), np.int32), "loss_mask": np.zeros((2, 9), bool)}
+  unpacked["tokens"][0, :6], unpacked["tokens"][1] = a, b
+  unpacked["loss_mask"][0, :6], unpacked["loss_mask"][1] = ma, mb
+  packed = {"tokens": np.concatenate([a, b, [0]])[None].astype(np.int32),
+            "loss_mask": np.concatenate([ma, mb, [False]])[None],
+            "segment_ids": np.array([[1] * 6 + [2] * 9 + [0]], np.int32)}
+  mars = jax.jit(lambda bt: objective.mars_loss(config, params, bt, block_size=3,
+                                                mask_token_id=MASK))
+  ar = jax.jit(lambda bt: objective.ar_sft_loss(config, params, bt))
+  for loss_fn in (mars, ar):
+    (l1, m1), (l2, m2) = loss_fn(unpacked), loss_fn(packed)
+    assert abs(float(l1) - float(l2)) < TOL
+    assert float(m1["targets"]) == float(m2["targets"]) == ma[1:].sum() + mb[1:].sum()
+
+
+def test_offset_accuracy_counts_noisy_targets_by_slot():
+  batch = ragged_batch()
+  f = objective.prepare(batch)
+  slot = np.asarray(f["positions"]) % 4
+  target = np.asarray(f["target"])
+  np.testing.assert_array_equal(target[:, :-1], batch["loss_mask"][:, 1:])
+  config = tiny_config()
+  sums = jax.jit(lambda p: objective.mars_sums(config, p, batch, block_size=4,
+                                               mask_token_id=MASK))(random_params(config))
+  np.testing.assert_array_equal(np.asarray(sums["count_offset"]),
+                                [target[slot == j].sum() for j in range(4)])
+
+
+def test_sequence_weights_count_each_segment_once():
+  target = np.array([[0, 1, 1, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]], bool)
+  segs = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [4, 4, 4, 4, 0, 0, 0, 0]], np.int32)
+  weights, denom = objective.sequence_weights(target, segs, "sequence")
+  np.testing.assert_allclose(np.asarray(weights), [[0, .5, .5, 0, 1, 0, 0, 0], [0] * 8])
+  assert float(denom) == 4.0  # segments 1, 2, 3 and 4; padding is no sequence
+  weights, denom = objective.sequence_weights(target, segs, "token")
+  assert float(denom) == 3.0
+
+
+def test_objective_config_validation():
+  with pytest.raises(ValueError, match="mask_token_id"):
+    objective.ObjectiveConfig(kind="mars")
+  with pytest.raises(ValueError, match="block_size"):
+    objective.ObjectiveConfig(block_size=0, mask_token_id=1)
+  with pytest.raises(ValueError, match="kind"):
+    objective.ObjectiveConfig(kind="diffusion", mask_token_id=1)
+  with pytest.raises(ValueError, match="shape"):
+    objective.prepare({"tokens": np.zeros((2, 4), np.int32), "loss_mask": np.zeros((2, 5))})
+
+
+@pytest.mark.parametrize("kind", ["ar_sft", "mars"])
+def test_tiny_model_overfits_one_batch(kind):
+  config = tiny_config()
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, MASK, (4, 16)).astype(np.int32)
+  loss_mask = np.zeros((4, 16), bool)
+  loss_mask[:, 6:] = True
+  batch = {"tokens": tokens, "loss_mask": loss_mask}
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  opt = optimizer.OptimizerConfig(learning_rate=1e-2, total_steps=100, warmup_steps=5,
+                                  decay="constant")
+  tx = optimizer.make_optimizer(opt)
+  obj = objective.ObjectiveConfig(kind=kind, block_size=4, mask_token_id=MASK)
+  state = train_step.init_train_state(config, tx, mesh, rng=jax.random.key(0))
+  step = train_step.make_train_step(config, obj, tx, mesh)
+  losses = []
+  for _ in range(opt.total_steps):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert losses[0] > 3.0 and losses[-1] < 0.05, (losses[0], losses[-1])
+  if kind == "mars":
+    assert [float(metrics[f"acc_offset_{j}"]) for j in range(1, 5)] == [1.0] * 4

@@ -1,9 +1,8 @@
 """`python -m mars_jax.train --config configs/X.py [--config.a.b=value ...] --workdir DIR`.
 
-Runs the optional AR-SFT stage 1 (WORKDIR/stage1) and the main stage (WORKDIR, or
-WORKDIR/stage2 after a stage 1), resuming each from its latest checkpoint; then,
-if asked, evaluates on the synthetic test split and exports the final weights to
-WORKDIR/hf. Fields: see mars_jax/train_config.py.
+Starts the distributed runtime (mars_jax.distributed), checks that every process
+has the same config, and runs the experiment (mars_jax.experiment: stage 1, main
+stage, final evaluation, export). Fields: see mars_jax/train_config.py.
 """
 
 from __future__ import annotations
@@ -15,130 +14,11 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mars_jax import distributed
+from mars_jax import distributed, experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, export)")
-
-
-def _model_and_tokenizer(cfg):
-  """-> (model config, params or None for random init, tokenizer, mask id)."""
-  from mars_jax import checkpoint, hf, train_config  # pylint: disable=import-outside-toplevel
-  from mars_jax.data import build_char_tokenizer, model_vocab_size  # pylint: disable=import-outside-toplevel
-  from mars_jax.loading import load_model  # pylint: disable=import-outside-toplevel
-  runtime = train_config.runtime_fields(cfg)
-  init = cfg.model.init
-  if init == "random":
-    if cfg.tokenizer in (None, "char"):
-      tok = build_char_tokenizer()
-      config = train_config.random_model_config(
-          cfg, vocab_size=model_vocab_size(tok),
-          bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-          eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
-      return config, None, tok, tok.convert_tokens_to_ids(hf.MASK_TOKEN)
-    config = train_config.random_model_config(cfg)
-    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size)
-    return config, None, tok, mask_id
-  if os.path.isdir(init) and not os.path.isfile(os.path.join(init, "config.json")):
-    checkpoint.resolve_checkpoint(init)  # a clear error when the run has no checkpoint
-  loaded = load_model(init, **runtime)
-  if cfg.tokenizer not in (None, "char"):
-    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
-    return loaded.config, loaded.params, tok, mask_id
-  return loaded.config, loaded.params, loaded.tokenizer, loaded.mask_token_id
-
-
-def stage1_config(cfg):
-  """The AR-SFT stage-1 config derived from the main one."""
-  s1 = cfg.copy_and_resolve_references()
-  s1.unlock()
-  s1.objective.kind = "ar_sft"
-  if cfg.stage1.steps is not None:
-    s1.train.steps = cfg.stage1.steps
-  if cfg.stage1.learning_rate is not None:
-    s1.optimizer.learning_rate = cfg.stage1.learning_rate
-  s1.lock()
-  return s1
-
-
-def run(cfg, workdir: str, *, show_progress: bool = True) -> dict:
-  """Every stage, the final evaluation and the export. Returns a summary dict."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from mars_jax import hf, train_config, trainer  # pylint: disable=import-outside-toplevel
-  train_config.validate(cfg)
-  if cfg.stage1.enabled:
-    train_config.validate(stage1_config(cfg))
-  config, params, tok, mask_id = _model_and_tokenizer(cfg)
-  summary: dict = {"stages": {}}
-  stages = [("stage1", stage1_config(cfg)), ("stage2", cfg)] if cfg.stage1.enabled else [
-      ("main", cfg)]
-  models = {}
-  for name, stage_cfg in stages:
-    run_dir = workdir if name == "main" else os.path.join(workdir, name)
-    res = trainer.run_stage(stage_cfg, run_dir, config, params, tok, mask_id,
-                            show_progress=show_progress)
-    params = res.params
-    models[name] = params
-    summary["stages"][name] = {"run_dir": run_dir, "wall_s": res.wall_s,
-                               "final": res.history[-1] if res.history else None}
-    if jax.process_index() == 0 and res.history:
-      last = res.history[-1]
-      print(f"[{name}] {stage_cfg.objective.kind}: step {last['step']} loss "
-            f"{last['loss']:.4f}" + (f" eval_loss {last['eval_loss']:.4f}"
-                                     if "eval_loss" in last else "")
-            + f" ({res.wall_s:.0f}s)", flush=True)
-    if not res.finished:
-      print(f"[{name}] stopped at train.stop_at_step={cfg.train.stop_at_step}; rerun "
-            "without it (or with a later step) to resume.", flush=True)
-      summary["stopped"] = True
-      return summary
-  gathered = {k: _host_params(v) for k, v in models.items()}
-  if cfg.final_eval.num_problems > 0:
-    summary["final_eval"] = _final_eval(cfg, config, gathered, tok, mask_id)
-  if cfg.train.export_hf and jax.process_index() == 0:
-    out = os.path.join(workdir, "hf")
-    hf.save_pretrained(config, gathered[stages[-1][0]], out, tokenizer=tok,
-                       dtype=cfg.train.export_dtype)
-    summary["export"] = out
-    print(f"exported the final weights to {out}", flush=True)
-  return summary
-
-
-def _host_params(params):
-  """Fully replicated host copy of (possibly multi-process sharded) params."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  if jax.process_count() > 1:
-    return multihost_utils.process_allgather(params, tiled=True)
-  return jax.device_get(params)
-
-
-def _final_eval(cfg, config, models, tok, mask_id) -> dict:
-  """Accuracy and tokens per forward of each stage's final params (AR, then MARS taus)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from mars_jax import evaluate  # pylint: disable=import-outside-toplevel
-  from mars_jax.loading import LoadedModel, eos_token_ids  # pylint: disable=import-outside-toplevel
-  fe = cfg.final_eval
-  window = fe.window or cfg.objective.block_size
-  problems = evaluate.load_problems("synthetic", fe.num_problems,
-                                    seed=cfg.data.synthetic.seed)
-  out = {}
-  for name, params in models.items():
-    model = LoadedModel(config, params, tok, mask_id, eos_token_ids(tok, config))
-    is_mars = name != "stage1"
-    settings = [(1, 1.0)] + ([(window, t) for t in fe.taus] if is_mars else [])
-    rows = []
-    for w, tau in settings:
-      r = evaluate.score(model, problems, tau=tau, window=w, metric=fe.metric,
-                         batch_size=fe.batch_size, max_new_tokens=fe.max_new_tokens)
-      rows.append({"model": name, "metric": fe.metric, "window": w, "tau": tau,
-                   **{k: v for k, v in r.items() if k != "outputs"}})
-    out[name] = rows
-    if jax.process_index() == 0:
-      print(f"\n[{name}] held-out accuracy on {len(problems)} synthetic problems:")
-      print(evaluate.format_table(rows), flush=True)
-  return out
 
 
 def main(argv) -> None:
@@ -156,7 +36,7 @@ def main(argv) -> None:
   distributed.initialize(plan)
   distributed.assert_same_config(distributed.config_fingerprint(cfg))
   print(distributed.env_summary(), flush=True)
-  run(cfg, _WORKDIR.value)
+  experiment.run(cfg, _WORKDIR.value)
 
 
 if __name__ == "__main__":

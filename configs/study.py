@@ -1,0 +1,33 @@
+"""The toy-scale study (issue: evaluation and reproduction) on the embedded task.
+
+  python -m mars_jax.study --config configs/study.py --workdir runs/study
+
+The model, tokenizer and data are configs/tiny.py's; `study` sets the run lengths,
+the variants and the evaluation grid (see mars_jax/study.py).
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _tiny():
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
+  spec = importlib.util.spec_from_file_location("tiny_config", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def get_config():
+  c = _tiny()
+  c.train.eval_every = 100
+  c.train.checkpoint_every = 100
+  c.study = ml_collections.ConfigDict(dict(
+      parent_steps=600, parent_learning_rate=2e-3, child_steps=200,
+      variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
+                "noar_b16", "bd_b4"),
+      taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability", "margin"), num_problems=500,
+      report="docs/results.md"))
+  return c

@@ -1,0 +1,127 @@
+"""One experiment end to end: the stages, the final evaluation and the HF export.
+
+  run(cfg, workdir) -> summary
+
+Runs the optional AR-SFT stage 1 (WORKDIR/stage1) and the main stage (WORKDIR, or
+WORKDIR/stage2 after a stage 1), resuming each from its latest checkpoint; then,
+if asked, evaluates on the synthetic test split and exports the final weights to
+WORKDIR/hf. Every process calls it. Fields: see mars_jax/train_config.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.experimental import multihost_utils
+
+from mars_jax import evaluate, hf, train_config, trainer
+from mars_jax.data import build_char_tokenizer, model_vocab_size
+from mars_jax.loading import LoadedModel, eos_token_ids, load_model
+
+
+def _model_and_tokenizer(cfg):
+  """-> (model config, params or None for random init, tokenizer, mask id)."""
+  runtime = train_config.runtime_fields(cfg)
+  init = cfg.model.init
+  if init == "random":
+    if cfg.tokenizer in (None, "char"):
+      tok = build_char_tokenizer()
+      config = train_config.random_model_config(
+          cfg, vocab_size=model_vocab_size(tok),
+          bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+          eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+      return config, None, tok, tok.convert_tokens_to_ids(hf.MASK_TOKEN)
+    config = train_config.random_model_config(cfg)
+    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size)
+    return config, None, tok, mask_id
+  loaded = load_model(init, **runtime)
+  if cfg.tokenizer not in (None, "char"):
+    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
+    return loaded.config, loaded.params, tok, mask_id
+  return loaded.config, loaded.params, loaded.tokenizer, loaded.mask_token_id
+
+
+def stage1_config(cfg):
+  """The AR-SFT stage-1 config derived from the main one."""
+  s1 = cfg.copy_and_resolve_references()
+  s1.unlock()
+  s1.objective.kind = "ar_sft"
+  if cfg.stage1.steps is not None:
+    s1.train.steps = cfg.stage1.steps
+  if cfg.stage1.learning_rate is not None:
+    s1.optimizer.learning_rate = cfg.stage1.learning_rate
+  s1.lock()
+  return s1
+
+
+def run(cfg, workdir: str, *, show_progress: bool = True) -> dict:
+  """Every stage, the final evaluation and the export. Returns a summary dict."""
+  train_config.validate(cfg)
+  if cfg.stage1.enabled:
+    train_config.validate(stage1_config(cfg))
+  config, params, tok, mask_id = _model_and_tokenizer(cfg)
+  summary: dict = {"stages": {}}
+  stages = [("stage1", stage1_config(cfg)), ("stage2", cfg)] if cfg.stage1.enabled else [
+      ("main", cfg)]
+  models = {}
+  for name, stage_cfg in stages:
+    run_dir = workdir if name == "main" else os.path.join(workdir, name)
+    res = trainer.run_stage(stage_cfg, run_dir, config, params, tok, mask_id,
+                            show_progress=show_progress)
+    params = res.params
+    models[name] = params
+    summary["stages"][name] = {"run_dir": run_dir, "wall_s": res.wall_s,
+                               "final": res.history[-1] if res.history else None}
+    if jax.process_index() == 0 and res.history:
+      last = res.history[-1]
+      print(f"[{name}] {stage_cfg.objective.kind}: step {last['step']} loss "
+            f"{last['loss']:.4f}" + (f" eval_loss {last['eval_loss']:.4f}"
+                                     if "eval_loss" in last else "")
+            + f" ({res.wall_s:.0f}s)", flush=True)
+    if not res.finished:
+      print(f"[{name}] stopped at train.stop_at_step={cfg.train.stop_at_step}; rerun "
+            "without it (or with a later step) to resume.", flush=True)
+      summary["stopped"] = True
+      return summary
+  gathered = {k: _host_params(v) for k, v in models.items()}
+  if cfg.final_eval.num_problems > 0:
+    summary["final_eval"] = _final_eval(cfg, config, gathered, tok, mask_id)
+  if cfg.train.export_hf and jax.process_index() == 0:
+    out = os.path.join(workdir, "hf")
+    hf.save_pretrained(config, gathered[stages[-1][0]], out, tokenizer=tok,
+                       dtype=cfg.train.export_dtype)
+    summary["export"] = out
+    print(f"exported the final weights to {out}", flush=True)
+  return summary
+
+
+def _host_params(params):
+  """Fully replicated host copy of (possibly multi-process sharded) params."""
+  if jax.process_count() > 1:
+    return multihost_utils.process_allgather(params, tiled=True)
+  return jax.device_get(params)
+
+
+def _final_eval(cfg, config, models, tok, mask_id) -> dict:
+  """Accuracy and tokens per forward of each stage's final params (AR, then MARS taus)."""
+  fe = cfg.final_eval
+  window = fe.window or cfg.objective.block_size
+  problems = evaluate.load_problems("synthetic", fe.num_problems,
+                                    seed=cfg.data.synthetic.seed)
+  out = {}
+  for name, params in models.items():
+    model = LoadedModel(config, params, tok, mask_id, eos_token_ids(tok, config))
+    is_mars = name != "stage1"
+    settings = [(1, 1.0)] + ([(window, t) for t in fe.taus] if is_mars else [])
+    rows = []
+    for w, tau in settings:
+      r = evaluate.score(model, problems, tau=tau, window=w, metric=fe.metric,
+                         batch_size=fe.batch_size, max_new_tokens=fe.max_new_tokens)
+      rows.append({"model": name, "metric": fe.metric, "window": w, "tau": tau,
+                   **{k: v for k, v in r.items() if k != "outputs"}})
+    out[name] = rows
+    if jax.process_index() == 0:
+      print(f"\n[{name}] held-out accuracy on {len(problems)} synthetic problems:")
+      print(evaluate.format_table(rows), flush=True)
+  return out

@@ -1,0 +1,84 @@
+"""Evaluator: answer extraction and scoring, problem files, and the study on a miniature."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mars_jax import evaluate
+from mars_jax.data import synthetic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Bags: 7*7=49\nAll: 49+3=52\n#### 52", "52"),
+    ("... #### 1,234", "1234"),
+    ("#### -5", "-5"),
+    ("the answer is 12", None),
+    ("#### 3\n#### 4", "4"),
+])
+def test_extract_answer(text, expected):
+  assert synthetic.extract_answer(text) == expected
+
+
+def test_is_correct():
+  assert synthetic.is_correct("x=3+4=7\n#### 7", "3+4=7\n#### 7")
+  assert not synthetic.is_correct("#### 8", "#### 7")
+  assert not synthetic.is_correct("no final answer", "#### 7")
+
+
+def test_load_problems_from_jsonl(tmp_path):
+  f = tmp_path / "gsm.jsonl"
+  f.write_text(json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"}) + "\n\n" +
+               json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+  assert [p["question"] for p in evaluate.load_problems(str(f))] == ["1+1?", "2+2?"]
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: .*####"):
+    evaluate.load_problems(str(bad))
+  with pytest.raises(FileNotFoundError):
+    evaluate.load_problems(str(tmp_path / "missing.jsonl"))
+
+
+def test_score_counts_exact_matches():
+  """A stub-free check of `score`: a model that cannot answer scores 0 with 1 token/forward."""
+  import jax
+  from mars_jax.data import build_char_tokenizer, model_vocab_size
+  from mars_jax.loading import LoadedModel
+  from mars_jax.models import qwen2
+  tok = build_char_tokenizer()
+  config = qwen2.preset("qwen2.5-0.5b", vocab_size=model_vocab_size(tok), hidden_size=32,
+                        intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, eos_token_id=2)
+  params = qwen2.init_params(config, jax.random.key(0))
+  model = LoadedModel(config, params, tok, 3, (2,))
+  problems = synthetic.generate(3, split="test")
+  r = evaluate.score(model, problems, max_new_tokens=8, batch_size=2)
+  assert r["n"] == 3 and r["accuracy"] == 0.0 and r["tokens_per_forward"] == 1.0
+  assert r["tokens"] == r["forwards"] and len(r["outputs"]) == 3
+
+
+@pytest.mark.slow
+def test_study_miniature(tmp_path):
+  report = tmp_path / "results.md"
+  r = subprocess.run(
+      [sys.executable, "-m", "mars_jax.study", "--config", os.path.join(ROOT, "configs/study.py"),
+       f"--workdir={tmp_path}/study", "--config.study.parent_steps=2",
+       "--config.study.child_steps=2", "--config.study.variants=('control','mars_b4')",
+       "--config.study.taus=(1.0,0.9)", "--config.study.gates=('probability',)",
+       "--config.study.num_problems=4", f"--config.study.report={report}",
+       "--config.model.overrides.hidden_size=32", "--config.model.overrides.intermediate_size=64",
+       "--config.model.overrides.num_hidden_layers=1", "--config.model.overrides.num_attention_heads=2",
+       "--config.model.overrides.num_key_value_heads=1", "--config.train.batch_size=8",
+       "--config.data.synthetic.num_train=200", "--config.data.synthetic.num_test=8",
+       "--config.final_eval.max_new_tokens=8"],
+      cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  text = report.read_text()
+  for name in ("parent", "control", "mars_b4"):
+    assert f"| {name} |" in text
+  assert "| mars_b4 | probability | 5 | 0.90 |" in text
+  assert (tmp_path / "results_pareto.png").stat().st_size > 0

@@ -1,0 +1,123 @@
+"""Device mesh, logical axis rules, and the shardings of params, optimizer state and batches.
+
+The mesh has three axes:
+
+  data     pure data parallelism: batch split, params replicated
+  fsdp     batch split and params sharded on their `embed` axis (ZeRO-3 style)
+  tensor   Megatron-style: heads, kv_heads, mlp and vocab split
+
+Weights carry logical axis names (see `mars_jax.models.qwen2`); the ordered table
+`LOGICAL_AXIS_RULES` maps them to mesh axes (for each array dimension the first
+rule whose mesh axis is still free wins). A dimension that its mesh axes do not
+divide (e.g. 2 kv heads on tensor=4) stays replicated. Shardings are derived from
+`jax.eval_shape` of the init, so nothing is allocated to compute them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mars_jax.models import qwen2
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+LOGICAL_AXIS_RULES: Rules = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    ("length", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the mesh axes; one of them may be -1 (filled from the device count)."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def shape(self, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) for `num_devices` devices, or a ValueError that says why not."""
+    sizes = [self.data, self.fsdp, self.tensor]
+    desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, sizes))
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+      raise ValueError(f"mesh {desc}: each size must be >= 1, and at most one may be -1.")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if num_devices % known:
+        raise ValueError(f"mesh {desc}: {num_devices} devices are not divisible by the "
+                         f"fixed axes' product {known}.")
+      sizes[sizes.index(-1)] = num_devices // known
+    elif known != num_devices:
+      raise ValueError(f"mesh {desc} needs {known} devices, but {num_devices} are "
+                       f"available ({jax.process_count()} process(es)); make the product "
+                       "of the sizes equal the device count, or set one size to -1.")
+    return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[Any] | None = None) -> Mesh:
+  """A `Mesh` with axes (data, fsdp, tensor) over `devices` (default: all devices)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = config.shape(len(devices))
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+                       devices=devices)
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+  """`spec` with the mesh axes of any dimension they do not divide dropped (replicated)."""
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size = math.prod(mesh.shape[a] for a in names)
+    out.append(axes if names and dim % size == 0 else None)
+  return P(*out)
+
+
+def logical_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
+  """Tree of logical `PartitionSpec`s + matching shapes -> tree of `NamedSharding`s."""
+  shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
+  return jax.tree.map(
+      lambda s, x: NamedSharding(mesh, fit_spec(s.spec, x.shape, mesh)), shardings, shapes,
+      is_leaf=lambda s: isinstance(s, NamedSharding))
+
+
+def param_shardings(config: qwen2.Qwen2Config, mesh: Mesh,
+                    rules: Rules = LOGICAL_AXIS_RULES) -> Any:
+  """`NamedSharding` of every parameter, from its logical axes (nothing allocated)."""
+  return logical_shardings(qwen2.logical_axes(config), qwen2.abstract_params(config),
+                           mesh, rules)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any,
+                        params_sharding: Any, mesh: Mesh) -> Any:
+  """Shardings of `tx.init(params)`: per-parameter moments shard like their parameter,
+  everything else (counts, scalars) is replicated."""
+  abstract_state = jax.eval_shape(tx.init, abstract_params)
+  return optax.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract_state, params_sharding,
+      transform_non_params=lambda _: replicated(mesh),
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batch arrays [b, ...]: rows split over (data, fsdp), the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())

@@ -1,0 +1,239 @@
+"""Mesh, shardings and the train step: sharded == single device, accumulated == full batch.
+
+The 8-device comparison runs this file as a subprocess with
+`--xla_force_host_platform_device_count=8`: the device count is fixed when a
+process first touches its CPU backend, which the rest of the test session does.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mars_jax import objective, optimizer, sharding, train_step
+from mars_jax.models import qwen2
+
+TOL = 1e-5
+VOCAB = 128
+MASK = VOCAB - 1
+LAYOUTS = [  # (data, fsdp, tensor, micro_batches, objective kind)
+    (1, 8, 1, 1, "mars"), (2, 2, 2, 1, "mars"), (1, 2, 4, 2, "mars"), (4, 1, 2, 1, "ar_sft")]
+
+
+def tiny_config():
+  return qwen2.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           rope_theta=10000.0)
+
+
+def packed_batch(rows=16, length=12, seed=0):
+  """Rows holding one or two samples (segments), padding, varying prompt lengths."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, MASK, (rows, length)).astype(np.int32)
+  segment_ids = np.ones((rows, length), np.int32)
+  loss_mask = np.zeros((rows, length), bool)
+  for r in range(rows):
+    cut, end = 3 + r % 5, length - r % 3
+    segment_ids[r, cut:] = 2 if r % 2 else 1
+    segment_ids[r, end:] = 0
+    loss_mask[r, cut // 2:cut] = True
+    loss_mask[r, cut + 2:end] = True
+  return {"tokens": tokens, "loss_mask": loss_mask, "segment_ids": segment_ids}
+
+
+def run_steps(config, obj, tx, mesh, params, batch, steps=3, micro_batches=1):
+  """-> (per-step metrics, final params) on host."""
+  state = train_step.init_train_state(config, tx, mesh, params=params)
+  step = train_step.make_train_step(config, obj, tx, mesh, micro_batches=micro_batches)
+  history = []
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+    history.append(jax.device_get(metrics))
+  return history, jax.device_get(state.params)
+
+
+def max_tree_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def make_tx(total_steps=3):
+  """AdamW with eps=1e-3. With the usual 1e-8, Adam maps a gradient that is zero up to
+  float rounding (k_bias: softmax ignores a shift shared by all keys) to an update of
+  about lr * noise / eps, so any two summation orders differ by ~1e-4 whatever the
+  sharding; a larger eps keeps the update a well-conditioned function of the gradient."""
+  return optimizer.make_optimizer(optimizer.OptimizerConfig(
+      learning_rate=1e-2, total_steps=total_steps, warmup_steps=0, weight_decay=0.1,
+      eps=1e-3))
+
+
+def sharded_vs_single_device():
+  """Child process body (8 CPU devices): max differences of every layout vs 1 device."""
+  config, tx, batch = tiny_config(), make_tx(), packed_batch()
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(0)))
+  one = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  refs, out = {}, {"devices": jax.device_count(), "layouts": []}
+  for data, fsdp, tensor, micro, kind in LAYOUTS:
+    obj = objective.ObjectiveConfig(kind=kind, block_size=4, mask_token_id=MASK)
+    if kind not in refs:
+      refs[kind] = run_steps(config, obj, tx, one, params, batch)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data, fsdp, tensor))
+    history, final = run_steps(config, obj, tx, mesh, params, batch, micro_batches=micro)
+    ref_history, ref_final = refs[kind]
+    out["layouts"].append(dict(
+        layout=[data, fsdp, tensor, micro, kind],
+        loss_diff=max(abs(float(a["loss"]) - float(b["loss"]))
+                      for a, b in zip(history, ref_history)),
+        param_diff=max_tree_diff(final, ref_final),
+        loss_moved=float(ref_history[0]["loss"]) - float(ref_history[-1]["loss"])))
+  big = qwen2.preset("qwen2.5-72b")
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 2, 4))
+  shardings = sharding.param_shardings(big, mesh)
+  abstract = qwen2.abstract_params(big)
+  out["72b"] = dict(
+      params=qwen2.num_params(abstract),
+      per_device=sum(int(np.prod(s.shard_shape(a.shape)))
+                     for s, a in zip(jax.tree.leaves(shardings), jax.tree.leaves(abstract))),
+      q_kernel=str(shardings["layers"]["attn"]["q_kernel"].spec),
+      k_kernel=str(shardings["layers"]["attn"]["k_kernel"].spec),
+      embedding=str(shardings["embedding"].spec))
+  return out
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                         os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_step_equals_single_device(eight_devices):
+  assert eight_devices["devices"] == 8
+  for result in eight_devices["layouts"]:
+    assert result["loss_moved"] > 0.1, result  # the three steps really train
+    assert result["loss_diff"] < TOL, result
+    assert result["param_diff"] < TOL, result
+
+
+def test_72b_params_shard_over_fsdp_and_tensor(eight_devices):
+  big = eight_devices["72b"]
+  assert 72e9 < big["params"] < 73e9
+  assert big["per_device"] < 1.001 * big["params"] / 8  # only norms stay replicated
+  assert big["q_kernel"] == str(P(None, "fsdp", "tensor", None))
+  assert big["k_kernel"] == str(P(None, "fsdp", "tensor", None))
+  assert big["embedding"] == str(P("tensor", "fsdp"))
+
+
+@pytest.mark.parametrize("kind,normalization", [("mars", "sequence"), ("ar_sft", "token")])
+def test_accumulated_micro_batches_equal_full_batch(kind, normalization):
+  """Micro-batches hold different numbers of segments and targets: the loss is a sum
+  divided once by the whole batch's denominator, so accumulation is exact."""
+  config = tiny_config().replace(scan_layers=False)
+  tx = make_tx(2)
+  obj = objective.ObjectiveConfig(kind=kind, block_size=4, mask_token_id=MASK,
+                                  normalization=normalization)
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(1)))
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  batch = packed_batch(rows=8)
+  full, full_params = run_steps(config, obj, tx, mesh, params, batch, steps=2)
+  accumulated, acc_params = run_steps(config, obj, tx, mesh, params, batch, steps=2,
+                                      micro_batches=4)
+  for a, b in zip(full, accumulated):
+    for key in a:
+      assert abs(float(a[key]) - float(b[key])) < TOL, key
+  assert max_tree_diff(full_params, acc_params) < TOL
+
+
+def test_eval_step_sums_add_up_to_the_loss_of_the_whole_set():
+  config = tiny_config().replace(scan_layers=False)
+  obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
+  params = qwen2.init_params(config, jax.random.key(2))
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  evaluate = train_step.make_eval_step(config, obj, mesh)
+  batch = packed_batch(rows=8)
+  halves = [jax.tree.map(lambda x, i=i: x[i::2], batch) for i in range(2)]
+  total = jax.tree.map(lambda a, b: a + b, *[evaluate(params, h) for h in halves])
+  loss, _ = objective.finalize(total)
+  whole, _ = jax.jit(lambda p: objective.mars_loss(config, p, batch, block_size=4,
+                                                   mask_token_id=MASK))(params)
+  assert abs(float(loss) - float(whole)) < TOL
+
+
+def test_mesh_config_fills_and_rejects():
+  assert sharding.MeshConfig(-1, 2, 2).shape(8) == (2, 2, 2)
+  assert sharding.MeshConfig(1, -1, 1).shape(8) == (1, 8, 1)
+  with pytest.raises(ValueError, match="needs 16 devices, but 8"):
+    sharding.MeshConfig(2, 4, 2).shape(8)
+  with pytest.raises(ValueError, match="not divisible"):
+    sharding.MeshConfig(-1, 3, 1).shape(8)
+  with pytest.raises(ValueError, match="at most one"):
+    sharding.MeshConfig(-1, -1, 1).shape(8)
+  with pytest.raises(ValueError, match="needs 2 devices"):
+    sharding.make_mesh(sharding.MeshConfig(2, 1, 1), jax.devices()[:1])
+
+
+def test_fit_spec_replicates_dimensions_the_mesh_does_not_divide():
+  mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.AXES)
+  assert sharding.fit_spec(P(None, "fsdp", "tensor", None), (2, 32, 2, 8), mesh) == P(
+      None, "fsdp", None, None)
+  assert sharding.fit_spec(P(("data", "fsdp")), (6, 5), mesh) == P(("data", "fsdp"), None)
+  assert sharding.fit_spec(P(("data", "fsdp")), (5,), mesh) == P(None)
+
+
+def test_batch_not_divisible_by_micro_batches_and_devices_is_a_clear_error():
+  config = tiny_config().replace(scan_layers=False)
+  tx = make_tx()
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  step = train_step.make_train_step(config, objective.ObjectiveConfig(kind="ar_sft"), tx, mesh,
+                                    micro_batches=3)
+  with pytest.raises(ValueError, match="divisible by micro_batches"):
+    step.lower(train_step.abstract_train_state(config, tx), packed_batch(rows=4))
+
+
+def test_schedule_warmup_then_decay():
+  cfg = optimizer.OptimizerConfig(learning_rate=1.0, total_steps=200, final_lr_ratio=0.1)
+  assert cfg.num_warmup_steps == 6  # ceil(0.03 * 200)
+  lr = optimizer.make_schedule(cfg)
+  assert float(lr(0)) == 0.0 and abs(float(lr(3)) - 0.5) < 1e-6
+  assert abs(float(lr(6)) - 1.0) < 1e-6
+  assert abs(float(lr(6 + 97)) - 0.55) < 1e-2  # cosine midpoint between 1.0 and 0.1
+  assert abs(float(lr(200)) - 0.1) < 1e-6
+  linear = optimizer.make_schedule(optimizer.OptimizerConfig(
+      learning_rate=1.0, total_steps=106, warmup_steps=6, decay="linear"))
+  assert abs(float(linear(56)) - 0.5) < 1e-6
+  with pytest.raises(ValueError, match="learning_rate"):
+    optimizer.OptimizerConfig(learning_rate=-1.0)
+
+
+def test_weight_decay_skips_biases_and_norms():
+  mask = optimizer.decay_mask(qwen2.abstract_params(tiny_config()))
+  assert mask["embedding"] and mask["lm_head"] and mask["layers"]["mlp"]["up_kernel"]
+  assert not mask["layers"]["attn"]["q_bias"] and not mask["final_norm"]["scale"]
+  assert not mask["layers"]["input_norm"]["scale"]
+
+
+def test_opt_state_shards_like_params():
+  config = tiny_config()
+  tx = make_tx()
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  shardings = train_step.train_state_shardings(config, tx, mesh)
+  abstract = train_step.abstract_train_state(config, tx)
+  assert jax.tree.structure(shardings.opt_state) == jax.tree.structure(abstract.opt_state)
+  adam = shardings.opt_state[1][0]
+  assert jax.tree.map(lambda s: s.spec, adam.mu) == jax.tree.map(lambda s: s.spec,
+                                                                 shardings.params)
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_default_matmul_precision", "highest")
+  print(json.dumps(sharded_vs_single_device()))

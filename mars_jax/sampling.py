@@ -215,6 +215,9 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
     raise ValueError(f"metric={metric!r}; expected one of {list(gates.METRICS)}.")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens}; it must be >= 1.")
+  if not 0 <= mask_token_id < config.vocab_size:
+    raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary "
+                     f"(vocab_size {config.vocab_size}); use hf.load_tokenizer's id.")
   b = _pow2(len(prompts))
   longest = max(len(p) for p in prompts)
   prompt = np.zeros((b, _pow2(longest, MIN_PROMPT_BUCKET)), np.int32)

@@ -5,8 +5,8 @@ tokens per forward of `sampling.generate` at windows 1 (our AR loop), 2, 4 and
 B+1, and of transformers' greedy `generate` with its KV cache on the weights
 exported by `hf.save_pretrained` (the outside peer). Prompts are random ids of one
 length; EOS is ignored, so every sample generates exactly --max-new-tokens and all
-rows time the same amount of output. Compilation and warm-up are not timed; each
-row is the median of --repeats timed calls.
+rows time the same amount of output. Compilation and warm-up are not timed; the calls
+are timed round-robin, --repeats rounds, and each row keeps its best round.
 
 --model: an HF directory, or a random-init shape: "tiny" (configs/tiny.py's
 model), "small" (8 layers, 512 wide, 32k vocab) or a Qwen2.5 preset name. On
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from typing import Any
@@ -70,39 +69,41 @@ def load_model(name: str, seed: int) -> tuple[Qwen2Config, Any, int]:
   return config, qwen2.init_params(config, jax.random.key(seed)), config.vocab_size - 1
 
 
-def _median_time(fn, repeats: int) -> tuple[float, Any]:
-  fn()
-  times, out = [], None
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), out
+def ours(config, params, prompts, *, max_new, mask_id, window, tau, metric):
+  """A call of our sampler -> (tokens list[list[int]], tokens per forward, forwards)."""
+  def call():
+    out = sampling.generate(config, params, prompts, max_new_tokens=max_new,
+                            mask_token_id=mask_id, eos_token_ids=(), tau=tau, window=window,
+                            metric=metric)
+    return out.tokens, out.tokens_per_forward, out.forwards
+  return call
 
 
-def bench_ours(config, params, prompts, *, max_new, mask_id, window, tau, metric, repeats):
-  """-> (row dict, tokens list[list[int]])."""
-  seconds, out = _median_time(lambda: sampling.generate(
-      config, params, prompts, max_new_tokens=max_new, mask_token_id=mask_id,
-      eos_token_ids=(), tau=tau, window=window, metric=metric), repeats)
-  tokens = sum(out.num_tokens)
-  return {"tokens_per_s": tokens / seconds, "tokens_per_forward": out.tokens_per_forward,
-          "forwards": out.forwards, "seconds": seconds}, out.tokens
-
-
-def bench_transformers(model, prompts, *, max_new, repeats):
-  """transformers' greedy generate with its KV cache -> (row dict, tokens)."""
+def transformers_generate(model, prompts, *, max_new):
+  """A call of transformers' greedy generate with its KV cache -> (tokens, 1.0, forwards)."""
   import torch  # pylint: disable=import-outside-toplevel
   ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
 
-  def run():
+  def call():
     with torch.no_grad():
-      return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=max_new, use_cache=True, pad_token_id=0)
-  seconds, out = _median_time(run, repeats)
-  new = out[:, ids.shape[1]:].tolist()
-  return {"tokens_per_s": sum(map(len, new)) / seconds, "tokens_per_forward": 1.0,
-          "forwards": max_new, "seconds": seconds}, new
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=max_new, use_cache=True, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist(), 1.0, max_new
+  return call
+
+
+def best_times(calls: dict[str, Any], repeats: int) -> tuple[dict[str, float], dict[str, Any]]:
+  """Warms every call up (compiles), then times them round-robin, `repeats` rounds;
+  -> (best seconds per call, each call's output). Round-robin spreads the load of
+  other jobs on a shared machine over all rows, and the best round drops it."""
+  outputs = {name: call() for name, call in calls.items()}
+  best = {name: float("inf") for name in calls}
+  for _ in range(repeats):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      call()
+      best[name] = min(best[name], time.perf_counter() - start)
+  return best, outputs
 
 
 def load_transformers(config, params, directory: str, threads: int):
@@ -124,23 +125,27 @@ def load_transformers(config, params, directory: str, threads: int):
 
 def bench_batch(config, params, peer, prompts, windows, taus, args, mask_id) -> list[dict]:
   """All rows of one batch size; speedups are against our AR loop on the same prompts."""
-  bs = len(prompts)
-  kw = dict(max_new=args.max_new_tokens, mask_id=mask_id, metric=args.metric,
-            repeats=args.repeats)
-  ar, ar_tokens = bench_ours(config, params, prompts, window=1, tau=1.0, **kw)
-  rows = [{"batch": bs, "impl": "ours AR", "window": 1, "tau": 1.0, **ar}]
+  kw = dict(max_new=args.max_new_tokens, mask_id=mask_id, metric=args.metric)
+  calls = {("ours AR", 1, 1.0): ours(config, params, prompts, window=1, tau=1.0, **kw)}
   if peer is not None:
-    row, hf_tokens = bench_transformers(peer, prompts, max_new=args.max_new_tokens,
-                                        repeats=args.repeats)
-    same = float(np.mean([a == b for a, b in zip(ar_tokens, hf_tokens)]))
-    rows.append({"batch": bs, "impl": "transformers", "window": 1, "tau": 1.0,
-                 "same_tokens_as_ours_ar": same, **row})
+    calls[("transformers", 1, 1.0)] = transformers_generate(peer, prompts,
+                                                            max_new=args.max_new_tokens)
   for window in (w for w in windows if w > 1):
     for tau in taus:
-      row, _ = bench_ours(config, params, prompts, window=window, tau=tau, **kw)
-      rows.append({"batch": bs, "impl": "ours MARS", "window": window, "tau": tau, **row})
-  for row in rows:
-    row["speedup_vs_ours_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
+      calls[("ours MARS", window, tau)] = ours(config, params, prompts, window=window,
+                                               tau=tau, **kw)
+  seconds, outputs = best_times(calls, args.repeats)
+  ar_tokens = outputs[("ours AR", 1, 1.0)][0]
+  ar_rate = sum(map(len, ar_tokens)) / seconds[("ours AR", 1, 1.0)]
+  rows = []
+  for key, (tokens, per_forward, forwards) in outputs.items():
+    rate = sum(map(len, tokens)) / seconds[key]
+    row = {"batch": len(prompts), "impl": key[0], "window": key[1], "tau": key[2],
+           "tokens_per_s": rate, "tokens_per_forward": per_forward, "forwards": forwards,
+           "seconds": seconds[key], "speedup_vs_ours_ar": rate / ar_rate}
+    if key[0] == "transformers":
+      row["same_tokens_as_ours_ar"] = float(np.mean([a == b for a, b in zip(ar_tokens, tokens)]))
+    rows.append(row)
   return rows
 
 

@@ -16,46 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
-import jax.numpy as jnp
-
-from mars_jax import checkpoint, gates, hf, sampling
-from mars_jax.models.qwen2 import Qwen2Config
-
-
-def _load_hf_dir(path: str, dtype: str) -> tuple[Qwen2Config, Any, str]:
-  config, params = hf.load_pretrained(path, dtype=jnp.dtype(dtype))
-  return config, params, path
-
-
-def _load_run_dir(path: str, dtype: str) -> tuple[Qwen2Config, Any, str]:
-  del dtype  # a run's checkpoint loads in the dtype it was trained in
-  config, params = checkpoint.load_params(path)
-  return config, params, checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0])
-
-
-def load_model(path: str, dtype: str = "float32") -> tuple[Qwen2Config, Any, Any, int]:
-  """HF directory or training run -> (config, params, tokenizer, mask_token_id)."""
-  loader = _load_hf_dir if os.path.isfile(os.path.join(path, "config.json")) else _load_run_dir
-  config, params, tok_dir = loader(path, dtype)
-  tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
-  return config, params, tokenizer, mask_id
-
-
-def eos_ids(config: Qwen2Config, tokenizer, path: str) -> list[int]:
-  """EOS ids of config.json, generation_config.json (if any) and the tokenizer."""
-  ids = set(config.eos_token_ids)
-  gen = os.path.join(path, "generation_config.json")
-  if os.path.isfile(gen):
-    with open(gen) as f:
-      eos = json.load(f).get("eos_token_id")
-    ids.update([eos] if isinstance(eos, int) else eos or [])
-  if tokenizer.eos_token_id is not None:
-    ids.add(tokenizer.eos_token_id)
-  return sorted(ids)
+from mars_jax import gates, sampling
+from mars_jax.loading import load_model
 
 
 def read_prompts(path: str) -> list[list[dict]]:
@@ -105,20 +70,22 @@ def main(argv=None) -> None:
                  help="weights of an HF directory (a run loads in its own dtype)")
   args = p.parse_args(argv)
 
-  config, params, tokenizer, mask_id = load_model(args.model, args.dtype)
+  model = load_model(args.model, dtype=args.dtype)
+  config, params, tokenizer = model.config, model.params, model.tokenizer
   if args.prompt is not None:
     chats = [([{"role": "system", "content": args.system}] if args.system else [])
              + [{"role": "user", "content": args.prompt}]]
   else:
     chats = read_prompts(args.prompts)
   prompts = encode(tokenizer, chats, raw=args.raw)
-  eos = eos_ids(config, tokenizer, args.model)
   tokens = forwards = 0
   start = time.perf_counter()
   for b in range(0, len(prompts), args.batch_size):
     out = sampling.generate(config, params, prompts[b:b + args.batch_size],
-                            max_new_tokens=args.max_new_tokens, mask_token_id=mask_id,
-                            eos_token_ids=eos, tau=args.tau, window=args.window,
+                            max_new_tokens=args.max_new_tokens,
+                            mask_token_id=model.mask_token_id,
+                            eos_token_ids=model.eos_token_ids, tau=args.tau,
+                            window=args.window,
                             metric=args.metric)
     for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
       print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "

@@ -9,6 +9,7 @@ directory (its latest checkpoint), or RUN_DIR/<step>.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -25,19 +26,28 @@ class LoadedModel:
   eos_token_ids: tuple[int, ...]
 
 
-def eos_token_ids(tokenizer, config: Qwen2Config) -> tuple[int, ...]:
-  """The chat turn end (`<|im_end|>`) and the config's EOS ids, deduplicated."""
+def eos_token_ids(tokenizer, config: Qwen2Config, model_dir: str | None = None
+                  ) -> tuple[int, ...]:
+  """EOS ids of the config, `generation_config.json` (when in `model_dir`), the chat turn
+  end (`<|im_end|>`) and the tokenizer's EOS, deduplicated, within the vocabulary."""
   ids = list(config.eos_token_ids)
+  gen = os.path.join(model_dir or "", "generation_config.json")
+  if model_dir and os.path.isfile(gen):
+    with open(gen) as f:
+      eos = json.load(f).get("eos_token_id")
+    ids += [eos] if isinstance(eos, int) else list(eos or [])
   for tok in ("<|im_end|>", tokenizer.eos_token):
     if tok is not None and tok in tokenizer.get_vocab():
       ids.append(tokenizer.convert_tokens_to_ids(tok))
   return tuple(dict.fromkeys(i for i in ids if i is not None and i < config.vocab_size))
 
 
-def load_model(path: str, **runtime) -> LoadedModel:
-  """Config, params and tokenizer (with `<|mask|>`) from an HF dir or a training run."""
+def load_model(path: str, *, dtype: str = "float32", **runtime) -> LoadedModel:
+  """Config, params and tokenizer (with `<|mask|>`) from an HF dir or a training run.
+
+  `dtype` is the parameter dtype of an HF directory (a run loads in its own)."""
   if os.path.isfile(os.path.join(path, "config.json")):
-    config, params = hf.load_pretrained(path, **runtime)
+    config, params = hf.load_pretrained(path, dtype=dtype, **runtime)
     tok_dir = path
   else:
     config, params = checkpoint.load_params(path, **runtime)
@@ -46,4 +56,5 @@ def load_model(path: str, **runtime) -> LoadedModel:
       raise FileNotFoundError(f"{tok_dir}: the run saved no tokenizer; export it with a "
                               "tokenizer or pass an HF directory.")
   tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
-  return LoadedModel(config, params, tokenizer, mask_id, eos_token_ids(tokenizer, config))
+  return LoadedModel(config, params, tokenizer, mask_id,
+                     eos_token_ids(tokenizer, config, tok_dir))

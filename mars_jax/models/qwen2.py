@@ -212,8 +212,10 @@ class Qwen2ForCausalLM(nn.Module):
 
   def unembed(self, hidden):
     """hidden: [..., embed] -> float32 logits [..., vocab]."""
-    w = self.embedding.T if self.config.tie_word_embeddings else self.lm_head
-    return jnp.einsum("...e,ev->...v", hidden, w.astype(hidden.dtype),
+    if self.config.tie_word_embeddings:  # contract on the embedding's minor axis, no transpose
+      return jnp.einsum("...e,ve->...v", hidden, self.embedding.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...e,ev->...v", hidden, self.lm_head.astype(hidden.dtype),
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, positions, attn_mask, cache=None, write_index=None):

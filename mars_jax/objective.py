@@ -122,7 +122,12 @@ def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
   -> tokens: int32[b, 2L] (noisy = MASK on every loss_mask token), positions:
      int32[b, 2L] (the same positions twice), attn_mask: bool[b, 2L, 2L].
   """
-  f = prepare(batch)
+  return _two_stream(prepare(batch), block_size, mask_token_id, intra_block)
+
+
+def _two_stream(f: dict[str, Array], block_size: int, mask_token_id: int,
+                intra_block: str) -> tuple[Array, Array, Array]:
+  """`two_stream_inputs` from the fields of `prepare`."""
   noisy = jnp.where(f["loss_mask"], jnp.int32(mask_token_id), f["tokens"])
   tokens = jnp.concatenate([f["tokens"], noisy], axis=1)
   positions = jnp.concatenate([f["positions"], f["positions"]], axis=1)
@@ -212,8 +217,7 @@ def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
   """
   f = prepare(batch)
   length = f["tokens"].shape[1]
-  tokens, positions, attn_mask = two_stream_inputs(
-      batch, block_size=block_size, mask_token_id=mask_token_id, intra_block=intra_block)
+  tokens, positions, attn_mask = _two_stream(f, block_size, mask_token_id, intra_block)
   hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask)
   labels = jnp.concatenate([f["labels"], f["labels"]], axis=1)
   ce, correct = token_cross_entropy(config, params, hidden, labels, chunk_size=chunk_size)

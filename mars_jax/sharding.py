@@ -40,7 +40,6 @@ LOGICAL_AXIS_RULES: Rules = (
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
-    ("length", None),
 )
 
 
@@ -114,9 +113,17 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any,
       is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch arrays [b, ...]: rows split over (data, fsdp), the rest replicated."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+def batch_sharding(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> NamedSharding:
+  """Batch arrays [b, ...]: rows split as the logical axis `batch` (data, fsdp), the
+  rest replicated."""
+  return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch",), rules))
+
+
+def num_batch_shards(batch: NamedSharding) -> int:
+  """How many ways `batch_sharding` splits the rows."""
+  axes = batch.spec[0] if batch.spec else None
+  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return math.prod(batch.mesh.shape[a] for a in names)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -142,16 +142,16 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches}; must be >= 1.")
   state_shardings = train_state_shardings(model_config, tx, mesh, rules)
-  batch_shardings = sharding.batch_sharding(mesh)
-
-  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_shardings = sharding.batch_sharding(mesh, rules)
+  batch_shards = sharding.num_batch_shards(batch_shardings)
 
   def step(state: TrainState, batch: Batch):
     rows = batch["tokens"].shape[0]
     if rows % (micro_batches * batch_shards):
       raise ValueError(
           f"batch size {rows} must be divisible by micro_batches ({micro_batches}) x "
-          f"data x fsdp ({batch_shards}), so that every micro-batch splits over the devices.")
+          f"the batch's device split ({batch_shards}: data x fsdp), so that every "
+          "micro-batch splits over the devices.")
     grads, sums = loss_and_grads(model_config, objective, state.params, batch,
                                  micro_batches=micro_batches,
                                  micro_batch_sharding=batch_shardings)
@@ -181,5 +181,6 @@ def make_eval_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   def evaluate(params, batch):
     return objective_lib.objective_sums(model_config, params, batch, objective)
 
-  return jax.jit(evaluate, in_shardings=(params_sharding, sharding.batch_sharding(mesh)),
+  return jax.jit(evaluate,
+                 in_shardings=(params_sharding, sharding.batch_sharding(mesh, rules)),
                  out_shardings=sharding.replicated(mesh))

@@ -122,7 +122,7 @@ def max_tree_diff(a, b):
 
 
 @pytest.mark.parametrize("tie,block,normalization,length", [
-    (True, 4, "sequence", 11), (False, 3, "token", 12), (True, 5, "sequence", 11)])
+    (True, 4, "sequence", 11), (False, 3, "token", 12)])
 def test_one_pass_equals_separate_passes(tie, block, normalization, length):
   config = tiny_config(tie)
   params = random_params(config)
@@ -178,9 +178,10 @@ def test_ar_sft_loss_is_causal_ce_on_response_tokens():
   assert float(metrics["targets"]) == target.sum()
 
 
-@pytest.mark.parametrize("tie,chunk", [(True, 5), (False, 1)])
-def test_chunked_loss_equals_naive(tie, chunk):
-  config = tiny_config(tie)
+def test_chunked_loss_equals_naive():
+  """Tied embeddings: the embedding's gradient sums the lookup and every chunk's
+  unembedding; 5 does not divide the 22 positions, so the last chunk is padded."""
+  config, chunk = tiny_config(), 5
   params = random_params(config)
   batch = ragged_batch()
   (l_naive, m_naive), g_naive = mars_vg(config, params, batch, chunk_size=None)

@@ -105,43 +105,12 @@ def sharded_vs_single_device():
   return out
 
 
-@pytest.fixture(scope="module")
-def eight_devices():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                         os.environ.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_sharded_step_equals_single_device(eight_devices):
-  assert eight_devices["devices"] == 8
-  for result in eight_devices["layouts"]:
-    assert result["loss_moved"] > 0.1, result  # the three steps really train
-    assert result["loss_diff"] < TOL, result
-    assert result["param_diff"] < TOL, result
-
-
-def test_72b_params_shard_over_fsdp_and_tensor(eight_devices):
-  big = eight_devices["72b"]
-  assert 72e9 < big["params"] < 73e9
-  assert big["per_device"] < 1.001 * big["params"] / 8  # only norms stay replicated
-  assert big["q_kernel"] == str(P(None, "fsdp", "tensor", None))
-  assert big["k_kernel"] == str(P(None, "fsdp", "tensor", None))
-  assert big["embedding"] == str(P("tensor", "fsdp"))
-
-
-@pytest.mark.parametrize("kind,normalization", [("mars", "sequence"), ("ar_sft", "token")])
-def test_accumulated_micro_batches_equal_full_batch(kind, normalization):
-  """Micro-batches hold different numbers of segments and targets: the loss is a sum
-  divided once by the whole batch's denominator, so accumulation is exact."""
+def test_accumulated_micro_batches_equal_full_batch():
+  """Micro-batches hold different numbers of sequences (segments) and targets: the loss
+  is a sum divided once by the whole batch's denominator, so accumulation is exact."""
   config = tiny_config().replace(scan_layers=False)
   tx = make_tx(2)
-  obj = objective.ObjectiveConfig(kind=kind, block_size=4, mask_token_id=MASK,
-                                  normalization=normalization)
+  obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
   params = jax.device_get(qwen2.init_params(config, jax.random.key(1)))
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
   batch = packed_batch(rows=8)
@@ -152,6 +121,23 @@ def test_accumulated_micro_batches_equal_full_batch(kind, normalization):
     for key in a:
       assert abs(float(a[key]) - float(b[key])) < TOL, key
   assert max_tree_diff(full_params, acc_params) < TOL
+
+
+def test_bfloat16_compute_keeps_float32_master_params():
+  """dtype="bfloat16" with remat: float32 params and moments, the float32 step's loss."""
+  config = tiny_config().replace(scan_layers=False)
+  obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(3)))
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  batch = packed_batch(rows=4)
+  f32_loss, _ = jax.jit(lambda p: objective.mars_loss(config, p, batch, block_size=4,
+                                                      mask_token_id=MASK))(params)
+  low = config.replace(dtype="bfloat16", remat="full")
+  state = train_step.init_train_state(low, make_tx(), mesh, params=params)
+  state, metrics = train_step.make_train_step(low, obj, make_tx(), mesh)(state, batch)
+  dtypes = {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))}
+  assert dtypes == {np.dtype(np.float32)}
+  assert abs(float(metrics["loss"]) - float(f32_loss)) < 0.05 * float(f32_loss)
 
 
 def test_eval_step_sums_add_up_to_the_loss_of_the_whole_set():
@@ -232,6 +218,45 @@ def test_opt_state_shards_like_params():
   adam = shardings.opt_state[1][0]
   assert jax.tree.map(lambda s: s.spec, adam.mu) == jax.tree.map(lambda s: s.spec,
                                                                  shardings.params)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eight_device_run():
+  """Starts the 8-device child when the module starts, so it runs alongside the
+  in-process tests; the tests at the end of the module wait for its result."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                         os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.Popen([sys.executable, __file__], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  yield proc
+  proc.kill()
+  proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def eight_devices(eight_device_run):
+  out, err = eight_device_run.communicate(timeout=600)
+  assert eight_device_run.returncode == 0, err[-3000:]
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def test_sharded_step_equals_single_device(eight_devices):
+  assert eight_devices["devices"] == 8
+  for result in eight_devices["layouts"]:
+    assert result["loss_moved"] > 0.1, result  # the three steps really train
+    assert result["loss_diff"] < TOL, result
+    assert result["param_diff"] < TOL, result
+
+
+def test_72b_params_shard_over_fsdp_and_tensor(eight_devices):
+  big = eight_devices["72b"]
+  assert 72e9 < big["params"] < 73e9
+  assert big["per_device"] < 1.001 * big["params"] / 8  # only norms stay replicated
+  assert big["q_kernel"] == str(P(None, "fsdp", "tensor", None))
+  assert big["k_kernel"] == str(P(None, "fsdp", "tensor", None))
+  assert big["embedding"] == str(P("tensor", "fsdp"))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def get_config():
   c.train.eval_every = 100
   c.train.checkpoint_every = 100
   c.study = ml_collections.ConfigDict(dict(
-      parent_steps=600, parent_learning_rate=2e-3, child_steps=200,
+      parent_steps=400, parent_learning_rate=2e-3, child_steps=80,
       variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
                 "noar_b16", "bd_b4"),
       taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability", "margin"), num_problems=500,

@@ -14,8 +14,8 @@ from mars_jax.train_config import base_config
 def get_config():
   c = base_config()
   c.model.init = "random"
-  c.model.overrides.update(dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4,
-                                num_attention_heads=6, num_key_value_heads=2,
+  c.model.overrides.update(dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2,
                                 max_position_embeddings=512, tie_word_embeddings=True,
                                 rope_theta=10000.0))
   c.tokenizer = "char"

@@ -414,3 +414,13 @@ def test_tokenizer_through_hf_save_and_load(tok, tmp_path):
   for i in range(8):
     np.testing.assert_array_equal(ours[i]["tokens"], theirs[i]["tokens"])
     np.testing.assert_array_equal(ours[i]["loss_mask"], theirs[i]["loss_mask"])
+
+
+def test_easy_difficulty_small_numbers_disjoint_splits():
+  train = synthetic.generate(2000, split="train", difficulty="easy")
+  test = synthetic.generate(300, split="test", difficulty="easy")
+  assert not {r["question"] for r in train} & {r["question"] for r in test}
+  answers = [int(synthetic.extract_answer(r["answer"])) for r in train + test]
+  assert max(answers) <= 60 and min(answers) >= 0
+  with pytest.raises(ValueError, match="difficulty='hard'"):
+    synthetic.generate(1, difficulty="hard")

@@ -27,8 +27,10 @@ an unknown key is an error):
   on_bad        "skip": skip bad records and report them in `stats`; "error": raise
                 BadInputError at load time naming the file and line of the first.
   synthetic     the embedded task, for source="synthetic": num_train and num_test
-                problems, the split `seed`, and `test_fraction` of problem identities
-                reserved for test (see mars_jax.data.synthetic).
+                problems, the split `seed`, `test_fraction` of problem identities
+                reserved for test, and `difficulty` ("standard" or "easy": smaller
+                numbers, learnable by a tiny model in minutes; see
+                mars_jax.data.synthetic).
 
 Batches: {"tokens": int32[b, L], "loss_mask": bool[b, L]}, loss_mask True exactly on
 assistant targets; with packing also "segment_ids": int32[b, L] (1, 2, ... per example
@@ -75,7 +77,8 @@ def default_config() -> ml_collections.ConfigDict:
       "seed": 0,
       "num_epochs": placeholder(int),
       "on_bad": "skip",
-      "synthetic": {"num_train": 20000, "num_test": 500, "seed": 0, "test_fraction": 0.1},
+      "synthetic": {"num_train": 20000, "num_test": 500, "seed": 0, "test_fraction": 0.1,
+                    "difficulty": "standard"},
   })
 
 
@@ -266,7 +269,8 @@ def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
   stats = DataStats(on_bad=cfg["on_bad"])
   if cfg["source"] == "synthetic":
     syn = cfg["synthetic"]
-    kw = {"seed": syn["seed"], "test_fraction": syn["test_fraction"]}
+    kw = {"seed": syn["seed"], "test_fraction": syn["test_fraction"],
+          "difficulty": syn["difficulty"]}
     train = [RecordsSource(synthetic.chat_records(syn["num_train"], split="train", **kw),
                            stats, name="synthetic-train")]
     held = ([RecordsSource(synthetic.chat_records(syn["num_test"], split="test", **kw),

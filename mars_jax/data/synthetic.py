@@ -37,21 +37,40 @@ ITEMS = ("apples", "pens", "cups", "eggs", "books", "cards", "coins", "shells", 
 
 @dataclasses.dataclass(frozen=True)
 class _Template:
-  """question/answer format strings over fields n (name), it (item), a, b, c, and results."""
+  """question/answer format strings over fields n (name), it (item), a, b, c, and results.
+
+  `sample` draws (a, b, c) at a difficulty: "standard" (two- and three-digit sums and
+  differences, one-digit products) or "easy" (operands up to 20, factors up to 6).
+  """
   question: str
   answer: str
-  sample: Callable[[random.Random], tuple[int, int, int]]   # draws (a, b, c)
-  solve: Callable[[int, int, int], dict[str, int]]          # intermediate results and r
+  sample: Callable[[random.Random, bool], tuple[int, int, int]]   # (g, easy) -> (a, b, c)
+  solve: Callable[[int, int, int], dict[str, int]]                # intermediate results and r
 
 
-def _sample_add_sub(g: random.Random) -> tuple[int, int, int]:
-  a, b = g.randint(5, 60), g.randint(2, 40)
-  return a, b, g.randint(1, min(30, a + b - 1))
+DIFFICULTIES = ("standard", "easy")
 
 
-def _sample_change(g: random.Random) -> tuple[int, int, int]:
-  a, b = g.randint(2, 9), g.randint(2, 9)
-  return a, b, g.randint(max(60, a * b + 1), 150)
+def _sample_add_sub(g: random.Random, easy: bool) -> tuple[int, int, int]:
+  a, b = (g.randint(2, 20), g.randint(2, 20)) if easy else (g.randint(5, 60), g.randint(2, 40))
+  return a, b, g.randint(1, min(15 if easy else 30, a + b - 1))
+
+
+def _sample_product_then(c_range: tuple[int, int], easy_c_range: tuple[int, int], *,
+                         above_product: bool):
+  """Factors a, b (2..9, or 2..6 when easy) and c in its range (above a*b if asked)."""
+  def sample(g: random.Random, easy: bool) -> tuple[int, int, int]:
+    top = 6 if easy else 9
+    a, b = g.randint(2, top), g.randint(2, top)
+    low, high = easy_c_range if easy else c_range
+    return a, b, g.randint(max(low, a * b + 1) if above_product else low, high)
+  return sample
+
+
+def _sample_split(g: random.Random, easy: bool) -> tuple[int, int, int]:
+  if easy:
+    return g.randint(2, 9), g.randint(2, 6), g.randint(1, 20)
+  return g.randint(2, 12), g.randint(2, 9), g.randint(1, 60)
 
 
 TEMPLATES = (
@@ -63,22 +82,22 @@ TEMPLATES = (
     _Template(
         "{n} buys {a} bags of {b} {it} and {c} more. How many?",
         "Bags: {a}*{b}={p}\nAll: {p}+{c}={r}\n#### {r}",
-        lambda g: (g.randint(2, 9), g.randint(2, 9), g.randint(1, 99)),
+        _sample_product_then((1, 99), (1, 20), above_product=False),
         lambda a, b, c: {"p": a * b, "r": a * b + c}),
     _Template(
         "{n} has {c} {it}, sells {a} packs of {b}. How many left?",
         "Sold: {a}*{b}={p}\nLeft: {c}-{p}={r}\n#### {r}",
-        lambda g: (g.randint(2, 9), g.randint(2, 9), g.randint(82, 199)),
+        _sample_product_then((82, 199), (37, 60), above_product=True),
         lambda a, b, c: {"p": a * b, "r": c - a * b}),
     _Template(
         "{b} kids split {q} {it}. Each gets {c} more. How many each?",
         "Each: {q}/{b}={a}\nNow: {a}+{c}={r}\n#### {r}",
-        lambda g: (g.randint(2, 12), g.randint(2, 9), g.randint(1, 60)),
+        _sample_split,
         lambda a, b, c: {"q": a * b, "r": a + c}),
     _Template(
         "{n} buys {b} {it} at {a} dollars each, pays {c}. Change?",
         "Cost: {b}*{a}={p}\nChange: {c}-{p}={r}\n#### {r}",
-        _sample_change,
+        _sample_product_then((60, 150), (37, 60), above_product=True),
         lambda a, b, c: {"p": a * b, "r": c - a * b}),
 )
 
@@ -88,8 +107,8 @@ def _in_split(key: tuple, seed: int, test_fraction: float) -> str:
   return "test" if int.from_bytes(digest, "big") < test_fraction * 2.0**64 else "train"
 
 
-def generate(num: int, *, seed: int = 0, split: str = "train",
-             test_fraction: float = 0.1) -> list[dict[str, str]]:
+def generate(num: int, *, seed: int = 0, split: str = "train", test_fraction: float = 0.1,
+             difficulty: str = "standard") -> list[dict[str, str]]:
   """`num` distinct problems of `split` as GSM8K records {"question", "answer"}.
 
   Deterministic in (num, seed, split, test_fraction); a list is a prefix of any
@@ -98,6 +117,8 @@ def generate(num: int, *, seed: int = 0, split: str = "train",
   """
   if split not in SPLITS:
     raise ValueError(f"split={split!r}; expected one of {SPLITS}.")
+  if difficulty not in DIFFICULTIES:
+    raise ValueError(f"difficulty={difficulty!r}; expected one of {DIFFICULTIES}.")
   if not 0.0 < test_fraction < 1.0:
     raise ValueError(f"test_fraction={test_fraction}; expected a value in (0, 1).")
   g = random.Random(f"mars_jax.synthetic:{seed}:{split}")
@@ -111,7 +132,7 @@ def generate(num: int, *, seed: int = 0, split: str = "train",
                        "ask for fewer or change test_fraction.")
     t = g.randrange(len(TEMPLATES))
     template = TEMPLATES[t]
-    a, b, c = template.sample(g)
+    a, b, c = template.sample(g, difficulty == "easy")
     name, item = g.choice(NAMES), g.choice(ITEMS)
     key = (t, a, b, c)
     if key in seen or _in_split(key, seed, test_fraction) != split:
@@ -130,10 +151,10 @@ def to_chat(record: dict[str, str]) -> dict[str, list[dict[str, str]]]:
 
 
 def chat_records(num: int, *, seed: int = 0, split: str = "train",
-                 test_fraction: float = 0.1) -> list[dict]:
+                 test_fraction: float = 0.1, difficulty: str = "standard") -> list[dict]:
   """`generate(...)` as chat records, the shape the data pipeline trains on."""
   return [to_chat(r) for r in generate(num, seed=seed, split=split,
-                                       test_fraction=test_fraction)]
+                                       test_fraction=test_fraction, difficulty=difficulty)]
 
 
 _ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")

@@ -1,4 +1,4 @@
-"""MARS acceptance: confidence gates and the left-to-right acceptance rule (pure functions).
+"""MARS acceptance: confidence gates and the left-to-right acceptance rules (pure functions).
 
 One forward gives `W` proposals per sample: the argmax at the last real token
 (exact AR) and at each of the `W-1` MASK slots. They are accepted strictly left
@@ -19,48 +19,109 @@ Gates, on the proposal's distribution p = softmax(logits):
 Softmax is strictly positive, so p1 < 1 and p1 - p2 < 1 in exact arithmetic;
 float32 can round them to 1.0, so the probability and margin gates are defined
 to fail outright at tau >= 1. That makes tau >= 1 plain greedy AR, exactly.
+The gate and tau may differ per sample: `metric` is then an int32 array of
+indices into `METRICS`, and `tau` a float32 array, one entry per sample.
+
+Lossless verification (`verify`) uses the same left-to-right rule with exact
+checks instead of gates. Drafts d0, d1, ... (earlier MASK proposals, fed as real
+tokens in this forward) sit at the positions after the last verified token;
+this forward's causal outputs there are the greedy AR tokens g0, g1, ...:
+
+  draft             d0   d1   d2
+  greedy AR         g0   g1   g2   g3
+  match             T    F    .           -> accepted 2: g0 (= d0) and g1, the
+                                             correction; d2 is discarded
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
 METRICS = ("probability", "margin", "entropy")
 
 
-def gate(logits: Array, tau: Array, metric: str) -> Array:
+def metric_ids(metric: str | Sequence[str], n: int) -> np.ndarray:
+  """One gate name, or one per sample -> int32[n] indices into `METRICS`."""
+  names = [metric] * n if isinstance(metric, str) else list(metric)
+  if len(names) != n:
+    raise ValueError(f"{len(names)} metrics for {n} prompts; pass one, or one per prompt.")
+  for name in names:
+    if name not in METRICS:
+      raise ValueError(f"metric={name!r}; expected one of {list(METRICS)}.")
+  return np.asarray([METRICS.index(m) for m in names], np.int32)
+
+
+def gate(logits: Array, tau: Array, metric: str | Array) -> Array:
   """Whether each proposal's distribution passes the gate.
 
-  logits: float32[..., vocab]; tau: float32[] -> bool[...].
+  logits: float32[..., vocab]; tau: float32 broadcastable to [...];
+  metric: a name in `METRICS`, or int32 indices into it broadcastable to [...]
+  -> bool[...].
   """
-  if metric not in METRICS:
+  if isinstance(metric, str) and metric not in METRICS:
     raise ValueError(f"metric={metric!r}; expected one of {list(METRICS)}.")
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  if metric == "entropy":
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1) <= tau
   top2 = jnp.exp(jax.lax.top_k(logp, 2)[0])
-  score = top2[..., 0] if metric == "probability" else top2[..., 0] - top2[..., 1]
-  return (score >= tau) & (tau < 1.0)
+  probability = (top2[..., 0] >= tau) & (tau < 1.0)
+  margin = (top2[..., 0] - top2[..., 1] >= tau) & (tau < 1.0)
+  if isinstance(metric, str) and metric != "entropy":
+    return probability if metric == "probability" else margin
+  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1) <= tau
+  if isinstance(metric, str):
+    return entropy
+  return jnp.where(metric == 0, probability, jnp.where(metric == 1, margin, entropy))
 
 
-def accept(logits: Array, tau: Array, metric: str, eos_ids: Array,
-           remaining: Array) -> tuple[Array, Array, Array]:
-  """Greedy proposals and how many of them each sample accepts.
+def take(proposals: Array, passes: Array, eos_ids: Array,
+         remaining: Array) -> tuple[Array, Array]:
+  """How many proposals each sample takes, left to right.
 
-  logits: float32[b, W, vocab] (slot 0: the last real token; slot k: MASK slot k);
-  tau: float32[]; eos_ids: int32[e] (entries < 0 are padding);
-  remaining: int32[b] token budget left (0 for finished samples).
-  -> (proposals int32[b, W], accepted int32[b] in [0, W], hit_eos bool[b]:
-      an EOS is among the accepted tokens).
+  proposals: int32[b, W]; passes: bool[b, W] (proposal k may follow proposal k-1;
+  entry 0 is ignored: proposal 0 is always taken); eos_ids: int32[e] (entries
+  < 0 are padding); remaining: int32[b] token budget left (0 for finished samples).
+  -> (accepted int32[b] in [0, W], hit_eos bool[b]: an EOS is among the accepted).
   """
-  proposals = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   w = proposals.shape[1]
-  passes = gate(logits, tau, metric).at[:, 0].set(True)
   is_eos = jnp.any((proposals[..., None] == eos_ids) & (eos_ids >= 0), axis=-1)
   after_eos = jnp.cumsum(is_eos, axis=1) - is_eos > 0
-  ok = passes & ~after_eos & (jnp.arange(w) < remaining[:, None])
+  ok = passes.at[:, 0].set(True) & ~after_eos & (jnp.arange(w) < remaining[:, None])
   taken = jnp.cumprod(ok, axis=1).astype(bool)
-  return proposals, jnp.sum(taken, axis=1).astype(jnp.int32), jnp.any(taken & is_eos, axis=1)
+  return jnp.sum(taken, axis=1).astype(jnp.int32), jnp.any(taken & is_eos, axis=1)
+
+
+def accept(logits: Array, tau: Array, metric: str | Array, eos_ids: Array,
+           remaining: Array) -> tuple[Array, Array, Array]:
+  """Greedy proposals and how many of them each sample accepts under its gate.
+
+  logits: float32[b, W, vocab] (slot 0: the last real token; slot k: MASK slot k);
+  tau: float32[] or float32[b]; metric: a name, or int32[b] indices into `METRICS`;
+  eos_ids: int32[e]; remaining: int32[b].
+  -> (proposals int32[b, W], accepted int32[b] in [0, W], hit_eos bool[b]).
+  """
+  proposals = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  b = proposals.shape[0]
+  tau = jnp.broadcast_to(jnp.asarray(tau, jnp.float32), (b,))[:, None]
+  metric = metric if isinstance(metric, str) else jnp.broadcast_to(metric, (b,))[:, None]
+  accepted, hit_eos = take(proposals, gate(logits, tau, metric), eos_ids, remaining)
+  return proposals, accepted, hit_eos
+
+
+def verify(greedy: Array, draft: Array, num_draft: Array, eos_ids: Array,
+           remaining: Array) -> tuple[Array, Array]:
+  """Lossless acceptance: the greedy AR tokens up to and including the first mismatch.
+
+  greedy: int32[b, W] (greedy[k]: the AR token after the verified prefix and
+  draft[:k]); draft: int32[b, W-1]; num_draft: int32[b] (drafts fed, <= W-1);
+  eos_ids, remaining: as `take`.
+  -> (accepted int32[b]: greedy[:accepted] are exact greedy AR tokens, hit_eos bool[b]).
+  """
+  w = greedy.shape[1]
+  match = (draft == greedy[:, :w - 1]) & (jnp.arange(w - 1) < num_draft[:, None])
+  passes = jnp.concatenate([jnp.ones((greedy.shape[0], 1), bool), match], axis=1)
+  return take(greedy, passes, eos_ids, remaining)

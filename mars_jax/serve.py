@@ -1,0 +1,225 @@
+"""Continuous batching over the resumable sampler: a small Python serving loop.
+
+  server = Server(config, params, mask_token_id=m, eos_token_ids=eos, batch_size=8,
+                  max_len=512, window=WindowPolicy(), mode="lossless")
+  rid = server.submit(prompt_ids, max_new_tokens=64, tau=0.9)
+  for update in server.stream():          # until every submitted request is done
+    print(update.request_id, update.tokens, update.done)
+  server.completed[rid].tokens_per_forward
+
+Each `step` is one segment of the sampler's loop (`sampling.segment`):
+
+  1. batch bucket: the smallest power of two in [min_batch_size, batch_size] that
+     holds the active and queued requests; a change moves the active rows to a
+     state of that bucket (`sampling.regroup`), so the load decides the compiled
+     batch, and with it the cost table row the window policy reads;
+  2. refill: every free row (its request finished) takes the next queued request
+     (`sampling.insert`), without touching the other rows; the new prompts are
+     prefilled by the segment's first steps, `prefill_chunk` tokens wide, while
+     the other rows keep decoding in the same forwards;
+  3. decode: the policy picks W; the loop runs `segment_steps` steps, ending early
+     when a row finishes and requests are waiting;
+  4. stream: the tokens each request committed since the last step come back as
+     `Update`s; a finished request becomes a `Completion` and frees its row.
+
+Every row is decoded as if it were alone (per-sample cursors, gates and budgets),
+so a request gets the tokens it gets from `sampling.generate` alone at the same W;
+in lossless mode, the greedy AR tokens whatever W the policy picks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from mars_jax import gates, sampling
+from mars_jax.models.qwen2 import Qwen2Config
+from mars_jax.window_policy import FixedWindow, WindowPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  request_id: int
+  prompt: tuple[int, ...]
+  max_new_tokens: int
+  tau: float
+  metric: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """Tokens a request committed during one `Server.step` (streamed in order).
+
+  tokens: the new tokens; num_tokens, forwards: its totals so far; done: finished.
+  """
+  request_id: int
+  tokens: list[int]
+  num_tokens: int
+  forwards: int
+  done: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """A finished request: its continuation (up to and including EOS) and forwards."""
+  request_id: int
+  tokens: list[int]
+  forwards: int
+
+  @property
+  def tokens_per_forward(self) -> float:
+    return len(self.tokens) / max(self.forwards, 1)
+
+
+class Server:
+  """Continuous batching of requests over one fixed-shape KV cache.
+
+  batch_size: rows at full load; min_batch_size: rows at the lightest load
+  (default batch_size: a fixed bucket); max_len: cache slots, >= prompt +
+  max_new_tokens + W - 1 of every request; window: a fixed W, or a
+  `WindowPolicy` (it measures step costs when it first meets a bucket);
+  mode: "gated" or "lossless" (see `sampling`); tau, metric: the gate of requests
+  that do not give their own; prefill_chunk: width of the prefill steps (longer
+  prompts take several); segment_steps: steps between two host round trips
+  (a fixed window; a policy brings its own).
+  """
+
+  def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,
+               eos_token_ids: int | Sequence[int], batch_size: int = 8,
+               min_batch_size: int | None = None, max_len: int = 512,
+               window: int | WindowPolicy | FixedWindow = 1, mode: str = "gated", tau: float = 1.0,
+               metric: str = "probability", prefill_chunk: int = 64,
+               segment_steps: int = 8):
+    self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
+                   else FixedWindow(window, segment_steps=segment_steps))
+    sampling.check_args(config, window=max(self.policy.windows), mode=mode,
+                        mask_token_id=mask_token_id)
+    gates.metric_ids(metric, 1)
+    self.max_batch = sampling.pow2(batch_size)
+    self.min_batch = min(sampling.pow2(min_batch_size or batch_size), self.max_batch)
+    if prefill_chunk < max(self.policy.windows):
+      raise ValueError(f"prefill_chunk={prefill_chunk} is below the largest window.")
+    self.config, self.params, self.mode = config, params, mode
+    self.mask_token_id, self.tau, self.metric = mask_token_id, tau, metric
+    self.eos_ids = sampling.eos_array(eos_token_ids)
+    self.max_len, self.prefill_chunk = max_len, prefill_chunk
+    self.measure = sampling.measure_fn(config, params, mode=mode,
+                                       mask_token_id=mask_token_id)
+    self.state = sampling.new_state(config, self.min_batch, max_len)
+    self.slots: list[int | None] = [None] * self.min_batch
+    self.queue: collections.deque[Request] = collections.deque()
+    self.completed: dict[int, Completion] = {}
+    self._streamed: dict[int, int] = {}
+    self._next_id = 0
+
+  @classmethod
+  def from_model(cls, model, **kwargs) -> "Server":
+    """A server over a `mars_jax.loading.LoadedModel` (its mask and EOS ids)."""
+    return cls(model.config, model.params, mask_token_id=model.mask_token_id,
+               eos_token_ids=model.eos_token_ids, **kwargs)
+
+  @property
+  def active(self) -> int:
+    return sum(r is not None for r in self.slots)
+
+  @property
+  def idle(self) -> bool:
+    return not self.queue and not self.active
+
+  def submit(self, prompt: Sequence[int], *, max_new_tokens: int, tau: float | None = None,
+             metric: str | None = None) -> int:
+    """Queues a request; -> its id. tau, metric default to the server's."""
+    if not prompt or max_new_tokens < 1:
+      raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
+    need = len(prompt) + max_new_tokens + max(self.policy.windows) - 1
+    if need > self.max_len:
+      raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + W - 1 "
+                       f"= {need} exceeds the server's max_len={self.max_len}.")
+    metric = self.metric if metric is None else metric
+    gates.metric_ids(metric, 1)
+    request = Request(self._next_id, tuple(int(t) for t in prompt), int(max_new_tokens),
+                      float(self.tau if tau is None else tau), metric)
+    self.queue.append(request)
+    self._streamed[request.request_id] = 0
+    self._next_id += 1
+    return request.request_id
+
+  def _resize(self) -> None:
+    """Moves the active rows to the bucket the load asks for (see the module doc)."""
+    want = min(max(sampling.pow2(self.active + len(self.queue)), self.min_batch),
+               self.max_batch)
+    if want == len(self.slots):
+      return
+    keep = [i for i, r in enumerate(self.slots) if r is not None]
+    rows = np.full((want,), len(self.slots), np.int32)
+    rows[:len(keep)] = keep
+    self.state = sampling.regroup(self.state, rows)
+    self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
+
+  def _refill(self) -> tuple[int, int]:
+    """Starts queued requests in free rows; -> (prefill width, prefill steps), (0, 0)
+    when none started."""
+    free = [i for i, r in enumerate(self.slots) if r is None][:len(self.queue)]
+    if not free:
+      return 0, 0
+    started = [self.queue.popleft() for _ in free]
+    b = len(self.slots)
+    longest = max(len(r.prompt) for r in started)
+    prompt = np.zeros((b, sampling.pow2(longest, sampling.MIN_PROMPT_BUCKET)), np.int32)
+    rows = np.full((b,), b, np.int32)
+    lens, budget = np.ones((b,), np.int32), np.zeros((b,), np.int32)
+    tau, metric = np.ones((b,), np.float32), np.zeros((b,), np.int32)
+    for k, (row, r) in enumerate(zip(free, started)):
+      rows[k], lens[k], budget[k], tau[k] = row, len(r.prompt), r.max_new_tokens, r.tau
+      prompt[k, :len(r.prompt)] = r.prompt
+      metric[k] = gates.metric_ids(r.metric, 1)[0]
+      self.slots[row] = r.request_id
+    self.state = sampling.insert(self.state, rows, prompt, lens, budget, tau, metric)
+    width = min(prompt.shape[1], self.prefill_chunk)
+    return width, math.ceil(longest / width)
+
+  def step(self) -> list[Update]:
+    """One segment: resize, refill, decode, stream (see the module doc)."""
+    self._resize()
+    width, prefill_steps = self._refill()
+    if not self.active:
+      return []
+    self.state, _, _ = sampling.segment(
+        self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
+        mask_token_id=self.mask_token_id, mode=self.mode, measure=self.measure,
+        real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue))
+    return self._harvest()
+
+  def _harvest(self) -> list[Update]:
+    seq, start, length, forwards, done = jax.device_get(
+        (self.state.seq, self.state.prompt_len, self.state.length, self.state.forwards,
+         self.state.done))
+    updates = []
+    for row, rid in enumerate(self.slots):
+      if rid is None:
+        continue
+      tokens = seq[row, start[row]:length[row]].tolist()
+      new = tokens[self._streamed[rid]:]
+      self._streamed[rid] = len(tokens)
+      updates.append(Update(rid, new, len(tokens), int(forwards[row]), bool(done[row])))
+      if done[row]:
+        self.completed[rid] = Completion(rid, tokens, int(forwards[row]))
+        del self._streamed[rid]
+        self.slots[row] = None
+    return updates
+
+  def stream(self) -> Iterator[Update]:
+    """Steps until every submitted request is done, yielding the updates."""
+    while not self.idle:
+      yield from self.step()
+
+  def run(self) -> dict[int, Completion]:
+    """Serves everything submitted; -> the completions by request id."""
+    for _ in self.stream():
+      pass
+    return self.completed

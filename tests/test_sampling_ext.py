@@ -1,0 +1,268 @@
+"""Lossless mode, per-request gates, the window policy and continuous batching.
+
+Two models: the random tiny Qwen2 of test_sampling (drafts mostly wrong: every
+verification path, rollbacks included, runs often), and the toy of
+`mars_jax.benchmarks.toy`, trained with the MARS loss in seconds, whose drafts
+are right (lossless mode commits several tokens per forward).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mars_jax import gates, hf, sampling, serve
+from mars_jax.benchmarks import toy
+from mars_jax.models import qwen2
+from mars_jax.window_policy import AcceptanceStats, CostTable, WindowPolicy
+from test_sampling import BLOCK, MASK_ID, PROMPTS, TAUS, naive_ar, naive_mars
+
+EOS_NEVER = 126
+
+
+@pytest.fixture(scope="module")
+def model(hf_tiny):
+  path, _ = hf_tiny(tie=False, seed=2)
+  config, params = hf.load_pretrained(path)
+  return config, {**params, "lm_head": params["lm_head"] * 20.0}
+
+
+@pytest.fixture(scope="module")
+def trained():
+  return toy.train()
+
+
+@pytest.fixture(scope="module")
+def eos_ids(model):
+  """EOS ids: sample 1's 6th greedy token (it stops there), and one never produced."""
+  config, params = model
+  return (naive_ar(config, params, PROMPTS[1], 12, ())[5], EOS_NEVER)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(model, eos_ids):
+  config, params = model
+  return [naive_ar(config, params, p, 14, eos_ids) for p in PROMPTS]
+
+
+def test_verify_takes_the_matching_prefix_and_the_correction():
+  greedy = jnp.array([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7]])
+  draft = jnp.array([[4, 9, 6], [4, 5, 6], [4, 5, 6], [4, 5, 6], [9, 5, 6]])
+  num_draft = jnp.array([3, 3, 2, 3, 3])
+  remaining = jnp.array([9, 9, 9, 2, 9])
+  eos = jnp.array([-1, -1])
+  accepted, hit_eos = gates.verify(greedy, draft, num_draft, eos, remaining)
+  assert accepted.tolist() == [2, 4, 3, 2, 1]
+  accepted, hit_eos = gates.verify(greedy, draft, num_draft, jnp.array([5, -1]), remaining)
+  assert accepted.tolist() == [2, 2, 2, 2, 1] and hit_eos.tolist() == [1, 1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("window", range(2, BLOCK + 2))
+def test_lossless_is_greedy_ar(model, eos_ids, greedy_ref, window):
+  config, params = model
+  out = sampling.generate(config, params, PROMPTS, max_new_tokens=14, mask_token_id=MASK_ID,
+                          eos_token_ids=eos_ids, window=window, mode="lossless")
+  assert out.tokens == greedy_ref
+  assert sum(r[-1] in eos_ids for r in greedy_ref) >= 2         # EOS stopped some samples
+  assert all(f <= len(t) for f, t in zip(out.num_forwards, out.tokens))
+  assert out.tokens_per_forward > 1.0                         # some drafts were right
+
+
+def test_lossless_cache_holds_committed_kv_after_rollbacks(model):
+  """After rejected drafts the cursor rolled back; the K/V below it are the true ones."""
+  config, params = model
+  state = sampling.decode_batch(config, params, PROMPTS, max_new_tokens=14,
+                                mask_token_id=MASK_ID, eos_token_ids=(), window=BLOCK + 1,
+                                mode="lossless")
+  seq, cursor, length = (np.asarray(a) for a in (state.seq, state.cursor, state.length))
+  assert np.all(cursor[:4] == length[:4] - 1)                  # the budget ended each sample
+  n = int(cursor.max())
+  full = qwen2.forward_cached(
+      config, params, seq[:, :n], jnp.broadcast_to(jnp.arange(n), (4, n)),
+      qwen2.init_cache(config, 4, n), jnp.broadcast_to(jnp.arange(n), (4, n)),
+      jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (4, n, n)))[1]
+  for i in range(len(PROMPTS)):
+    for key in ("k", "v"):
+      np.testing.assert_allclose(np.asarray(state.cache[key][:, i, :cursor[i]]),
+                                 np.asarray(full[key][:, i, :cursor[i]]), atol=1e-5, rtol=0)
+
+
+def toy_prompts(m):
+  """Ragged: three cycle prompts (4, 5, 7 tokens) and one the toy never saw."""
+  return [m.prompts(1, seed=s, length=k)[0] for s, k in ((1, 4), (2, 5), (3, 7))] + [[5, 9, 100]]
+
+
+def test_lossless_on_trained_toy_commits_several_tokens_per_forward(trained):
+  m = trained
+  prompts = toy_prompts(m)
+  kw = dict(max_new_tokens=21, mask_token_id=m.mask_token_id, eos_token_ids=())
+  ar = sampling.generate(m.config, m.params, prompts, window=1, **kw)
+  assert ar.tokens[:3] == [m.continuation(p, 21) for p in prompts[:3]]
+  rates = []
+  for window in range(2, BLOCK + 2):
+    out = sampling.generate(m.config, m.params, prompts, window=window, mode="lossless", **kw)
+    assert out.tokens == ar.tokens
+    rates.append(out.tokens_per_forward)
+  assert rates == sorted(rates) and rates[0] > 1.5 and rates[-1] > 2.5
+
+
+def test_mixed_per_request_gates_equal_each_alone(model):
+  """One batch: exact AR (tau 1), and each gate at its own tau, without recompiling."""
+  config, params = model
+  taus = [1.0, TAUS["probability"], TAUS["margin"], TAUS["entropy"]]
+  metrics = ["probability", "probability", "margin", "entropy"]
+  kw = dict(max_new_tokens=16, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
+            window=BLOCK + 1)
+  sampling.decode.clear_cache()
+  batch = sampling.generate(config, params, PROMPTS, tau=taus, metric=metrics, **kw)
+  sampling.generate(config, params, PROMPTS, tau=taus[::-1], metric=metrics[::-1], **kw)
+  assert sampling.decode._cache_size() == 1
+  for i, p in enumerate(PROMPTS):
+    alone = sampling.generate(config, params, [p], tau=taus[i], metric=metrics[i], **kw)
+    ref, windows, _ = naive_mars(config, params, p, 16, (EOS_NEVER,), taus[i], BLOCK + 1,
+                                 metrics[i])
+    assert batch.tokens[i] == alone.tokens[0] == ref
+    assert batch.num_forwards[i] == alone.num_forwards[0] == len(windows)
+  assert batch.num_forwards[0] == len(batch.tokens[0])         # tau 1: one token a forward
+  assert min(batch.num_forwards[1:]) < 16                      # the others went faster
+
+
+def test_per_prompt_arguments_are_checked(model):
+  config, params = model
+  kw = dict(max_new_tokens=4, mask_token_id=MASK_ID, eos_token_ids=())
+  with pytest.raises(ValueError, match="2 values for 4 prompts"):
+    sampling.generate(config, params, PROMPTS, tau=[1.0, 0.5], **kw)
+  with pytest.raises(ValueError, match="metric='top'"):
+    sampling.generate(config, params, PROMPTS, metric=["top"] * 4, **kw)
+  with pytest.raises(ValueError, match="mode="):
+    sampling.generate(config, params, PROMPTS, mode="exact", **kw)
+
+
+# ---- the window policy ---------------------------------------------------------------
+
+
+def _table(batch, cache_len, costs):
+  table = CostTable()
+  for window, seconds in costs.items():
+    table.put(batch, cache_len, window, seconds)
+  return table
+
+
+def test_policy_picks_w1_when_the_cost_table_makes_w_gt_1_slower():
+  # Even at the optimistic prior (W tokens per forward), W > 1 loses.
+  policy = WindowPolicy((1, 2, 5), _table(64, 256, {1: 1.0, 2: 2.1, 5: 5.5}))
+  assert policy.choose(64, 256, active=64) == 1
+  # Cheap W > 1 at a small batch: the prior makes W=5 worth trying first.
+  policy.costs.put(4, 256, 1, 1.0)
+  policy.costs.put(4, 256, 2, 1.1)
+  policy.costs.put(4, 256, 5, 1.3)
+  assert policy.choose(4, 256, active=3) == 5
+  # It accepted little at W=5: W=2 is tried next, and poor acceptance there ends at 1.
+  policy.observe(5, tokens=100, forwards=100)
+  assert policy.choose(4, 256, active=3) == 2
+  policy.observe(2, tokens=100, forwards=98)
+  assert policy.choose(4, 256, active=3) == 1
+  assert policy.choose(4, 256, active=0) == 1
+  assert [c[2] for c in policy.choices] == [1, 5, 2, 1, 1]
+
+
+def test_cost_table_file_and_lookup(tmp_path):
+  table = _table(8, 128, {1: 0.01, 3: 0.012})
+  table.meta["device"] = "cpu"
+  table.save(str(tmp_path / "costs.json"))
+  policy = WindowPolicy((1, 3), str(tmp_path / "costs.json"))
+  assert policy.costs.seconds == table.seconds and policy.costs.meta == {"device": "cpu"}
+  assert policy.cost(8, 512, 3) == 0.012                     # nearest cache length
+  assert policy.cost(16, 128, 3) is None
+  with pytest.raises(ValueError, match="no cost for W=1"):
+    policy.choose(16, 128, active=16)
+  assert policy.choose(16, 128, active=16, measure=lambda b, s, w: 0.02 * w) == 1
+  assert policy.costs.get(16, 128, 3) == pytest.approx(0.06)
+  assert AcceptanceStats(prior_forwards=2.0).tokens_per_forward(4) == 4.0
+
+
+def test_auto_window_follows_the_cost_table(trained, model, eos_ids, greedy_ref):
+  """Lossless output is greedy AR whatever W the policy picks; the table decides W."""
+  m = trained
+  prompts = toy_prompts(m)
+  kw = dict(max_new_tokens=21, mask_token_id=m.mask_token_id, eos_token_ids=(),
+            mode="lossless")
+  ar = sampling.generate(m.config, m.params, prompts, window=1, **kw)
+  cache_len = 32
+  cheap = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 1.2}), segment_steps=2)
+  out = sampling.generate(m.config, m.params, prompts, window="auto", policy=cheap, **kw)
+  assert out.tokens == ar.tokens and set(out.windows) == {5}
+  assert out.tokens_per_forward > 2.5
+  dear = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 6.0}), segment_steps=2)
+  out = sampling.generate(m.config, m.params, prompts, window="auto", policy=dear, **kw)
+  assert out.tokens == ar.tokens and set(out.windows) == {1}
+  assert out.tokens_per_forward == 1.0
+  # Costs measured on the spot, on the random model (drafts mostly wrong).
+  config, params = model
+  measured = WindowPolicy((1, 3), segment_steps=3)
+  out = sampling.generate(config, params, PROMPTS, max_new_tokens=14, mask_token_id=MASK_ID,
+                          eos_token_ids=eos_ids, window="auto", policy=measured,
+                          mode="lossless")
+  assert out.tokens == greedy_ref
+  assert {(b, w) for b, _, w in measured.costs.seconds} == {(4, 1), (4, 3)}
+  assert sum(out.windows.values()) == out.forwards
+
+
+# ---- continuous batching ---------------------------------------------------------------
+
+
+def _requests(seed=0, n=7):
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(0, 120, int(rng.integers(2, 14))).tolist() for _ in range(n)]
+  prompts[2] = list(range(20, 39))                           # longer than the prefill chunk
+  budgets = [5, 18, 9, 14, 3, 17, 11][:n]
+  return prompts, budgets
+
+
+def test_continuous_batching_equals_each_request_alone(model):
+  config, params = model
+  prompts, budgets = _requests()
+  taus = [1.0, 0.45, 0.3, 0.6, TAUS["entropy"], 1.0, 0.2]
+  metrics = ["probability", "probability", "margin", "probability", "entropy", "margin",
+             "margin"]
+  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
+                        batch_size=2, max_len=64, window=3, prefill_chunk=8, segment_steps=4)
+  ids = [server.submit(p, max_new_tokens=b, tau=t, metric=g)
+         for p, b, t, g in zip(prompts, budgets, taus, metrics)]
+  streamed = {i: [] for i in ids}
+  finished = []
+  for update in server.stream():
+    assert update.request_id not in finished
+    streamed[update.request_id] += update.tokens
+    assert len(streamed[update.request_id]) == update.num_tokens
+    if update.done:
+      finished.append(update.request_id)
+  assert sorted(finished) == ids and finished != ids         # later requests overtook
+  for i, p in enumerate(prompts):   # alone: the uncached reference (== `generate` alone)
+    tokens, windows, _ = naive_mars(config, params, p, budgets[i], (EOS_NEVER,), taus[i], 3,
+                                    metrics[i])
+    done = server.completed[ids[i]]
+    assert done.tokens == streamed[ids[i]] == tokens
+    assert done.forwards == len(windows)
+  assert server.idle and len(server.slots) == 2
+
+
+def test_continuous_batching_lossless_with_load_aware_window(model):
+  """Buckets follow the load (4 rows, then fewer), W follows the policy, output is AR."""
+  config, params = model
+  prompts, budgets = _requests(seed=1, n=6)
+  policy = WindowPolicy((1, 3), _table(4, 64, {1: 1.0, 3: 1.5}), segment_steps=4)
+  for b in (1, 2):
+    policy.costs.put(b, 64, 1, 1.0)
+    policy.costs.put(b, 64, 3, 1.5)
+  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
+                        batch_size=4, min_batch_size=1, max_len=64, window=policy,
+                        mode="lossless", prefill_chunk=8)
+  ids = [server.submit(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+  done = server.run()
+  for i, p in enumerate(prompts):
+    assert done[ids[i]].tokens == naive_ar(config, params, p, budgets[i], (EOS_NEVER,))
+  buckets = [c[0] for c in policy.choices]
+  assert buckets[0] == 4 and min(buckets) < 4
+  assert {c[2] for c in policy.choices} == {1, 3}            # the acceptance moved it to 1
+  with pytest.raises(ValueError, match="exceeds the server's max_len"):
+    server.submit(list(range(60)), max_new_tokens=8)

@@ -1,36 +1,48 @@
 """`python -m mars_jax.bench sample`: MARS decoding vs our jitted AR loop vs transformers.
 
 On the same weights, in the same run, for each batch size: tokens per second and
-tokens per forward of `sampling.generate` at windows 1 (our AR loop), 2, 4 and
-B+1, and of transformers' greedy `generate` with its KV cache on the weights
-exported by `hf.save_pretrained` (the outside peer). Prompts are random ids of one
-length; EOS is ignored, so every sample generates exactly --max-new-tokens and all
-rows time the same amount of output. Compilation and warm-up are not timed; the calls
-are timed round-robin, --repeats rounds, and each row keeps its best round.
+tokens per forward of `sampling.generate` at window 1 (our AR loop), of gated
+MARS (each W > 1 and tau), of lossless MARS (each W > 1: output equal to greedy
+AR, checked), of the load-aware window policy (`window="auto"`, gated at the
+first tau and lossless), and of transformers' greedy `generate` with its KV
+cache on the weights exported by `hf.save_pretrained` (the outside peer). EOS is
+ignored, so every sample generates exactly --max-new-tokens and all rows time
+the same amount of output. Compilation, warm-up and the policy's cost
+calibration are not timed; the calls are timed round-robin, --repeats rounds,
+and each row keeps its best round.
 
---model: an HF directory, or a random-init shape: "tiny" (configs/tiny.py's
-model), "small" (8 layers, 512 wide, 32k vocab) or a Qwen2.5 preset name. On
-random weights the gate sees near-uniform distributions: tau 0 accepts every
-proposal (the upper bound of MARS: W tokens per forward), tau >= max top
-probability accepts none (the cost of the W-1 extra slots). A trained MARS
-checkpoint lies between.
+--model: an HF directory or a training run (RUN_DIR[/STEP]); "toy": the toy of
+`mars_jax.benchmarks.toy`, trained at start (seconds) so that its MASK proposals
+are right (an upper bound of acceptance: the regime of a trained checkpoint);
+or a random-init shape: "tiny" (configs/tiny.py's model), "small" (8 layers,
+512 wide, 32k vocab) or a Qwen2.5 preset name. On random weights the gate sees
+near-uniform distributions: tau 0 accepts every proposal (W tokens per forward),
+tau >= max top probability accepts none (the cost of the W-1 extra slots).
+--prompts: "random" ids of --prompt-len tokens, "synthetic" (the synthetic
+task's test questions, chat-formatted: needs a model with a tokenizer), or
+"toy" (the toy's cycle; the default with --model toy).
+--costs PREFIX: the policy's cost tables, PREFIX.gated.json and
+PREFIX.lossless.json, loaded when present, else measured and written there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from mars_jax import gates, hf, sampling
+from mars_jax import evaluate, gates, hf, loading, sampling
+from mars_jax.benchmarks import toy
 from mars_jax.models import qwen2
 from mars_jax.models.config import PRESETS, Qwen2Config
+from mars_jax.window_policy import CostTable, WindowPolicy
 
 SHAPES = {
     "tiny": dict(vocab_size=320, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
@@ -40,6 +52,7 @@ SHAPES = {
                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                   tie_word_embeddings=True, rope_theta=10000.0),
 }
+MODES = ("gated", "lossless")
 
 
 def _ints(text: str) -> list[int]:
@@ -50,52 +63,96 @@ def _floats(text: str) -> list[float]:
   return [float(x) for x in text.split(",") if x]
 
 
-def load_model(name: str, seed: int) -> tuple[Qwen2Config, Any, int]:
-  """HF directory or random-init shape -> (config, params, mask_token_id)."""
-  if os.path.isdir(name):
+@dataclasses.dataclass
+class BenchModel:
+  """Weights and how to draw prompts: prompts(n, rng) -> n token lists."""
+  config: Qwen2Config
+  params: Any
+  mask_id: int
+  prompts: Callable[[int, np.random.Generator], list[list[int]]]
+
+
+def _random_prompts(length: int, high: int):
+  return lambda n, rng: rng.integers(0, high, (n, length)).tolist()
+
+
+def _synthetic_prompts(tokenizer):
+  problems = evaluate.load_problems("synthetic", 512)
+
+  def draw(n, rng):
+    return [evaluate.prompt_ids(tokenizer, problems[i]["question"])
+            for i in rng.choice(len(problems), n, replace=False)]
+  return draw
+
+
+def load_model(args) -> BenchModel:
+  """--model and --prompts -> a `BenchModel`."""
+  name, kind = args.model, args.prompts
+  tokenizer = None
+  if name == "toy":
+    t = toy.train(length=max(toy.PROMPT_LEN + 8, args.prompt_len + args.max_new_tokens),
+                  steps=150, seed=args.seed)
+    config, params, mask_id = t.config, t.params, t.mask_token_id
+    if kind in ("toy", "auto"):
+      return BenchModel(config, params, mask_id,
+                        lambda n, rng: t.prompts(n, int(rng.integers(1 << 30)), args.prompt_len))
+  elif os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+    m = loading.load_model(name)
+    config, params, mask_id, tokenizer = m.config, m.params, m.mask_token_id, m.tokenizer
+  elif os.path.isdir(name):
     config, params = hf.load_pretrained(name)
     try:
-      mask_id = hf.load_tokenizer(name, config.vocab_size)[1]
+      tokenizer, mask_id = hf.load_tokenizer(name, config.vocab_size)
     except (OSError, ValueError):
       mask_id = config.vocab_size - 1
-    return config, params, mask_id
-  if name in SHAPES:
-    config = Qwen2Config(**SHAPES[name])
-  elif name.lower() in PRESETS:
-    config = qwen2.preset(name)
+  elif name in SHAPES or name.lower() in PRESETS:
+    config = Qwen2Config(**SHAPES[name]) if name in SHAPES else qwen2.preset(name)
+    params, mask_id = qwen2.init_params(config, jax.random.key(args.seed)), config.vocab_size - 1
   else:
-    raise ValueError(f"--model {name!r}: not a directory, nor one of "
+    raise ValueError(f"--model {name!r}: not a directory, nor toy, nor one of "
                      f"{sorted(SHAPES) + sorted(PRESETS)}.")
-  return config, qwen2.init_params(config, jax.random.key(seed)), config.vocab_size - 1
+  if kind == "synthetic":
+    if tokenizer is None:
+      raise ValueError("--prompts synthetic needs a model directory with a tokenizer.")
+    return BenchModel(config, params, mask_id, _synthetic_prompts(tokenizer))
+  if kind not in ("random", "auto"):
+    raise ValueError(f"--prompts {kind} needs --model toy." if kind == "toy"
+                     else f"--prompts {kind!r}: expected random, synthetic or toy.")
+  return BenchModel(config, params, mask_id, _random_prompts(args.prompt_len, mask_id))
 
 
-def ours(config, params, prompts, *, max_new, mask_id, window, tau, metric):
-  """A call of our sampler -> (tokens list[list[int]], tokens per forward, forwards)."""
+def ours(m: BenchModel, prompts, *, max_new, window, tau, metric, mode="gated", policy=None):
+  """A call of our sampler -> (tokens, tokens per forward, forwards, windows used)."""
   def call():
-    out = sampling.generate(config, params, prompts, max_new_tokens=max_new,
-                            mask_token_id=mask_id, eos_token_ids=(), tau=tau, window=window,
-                            metric=metric)
-    return out.tokens, out.tokens_per_forward, out.forwards
+    out = sampling.generate(m.config, m.params, prompts, max_new_tokens=max_new,
+                            mask_token_id=m.mask_id, eos_token_ids=(), tau=tau, window=window,
+                            metric=metric, mode=mode, policy=policy)
+    return out.tokens, out.tokens_per_forward, out.forwards, out.windows
   return call
 
 
 def transformers_generate(model, prompts, *, max_new):
-  """A call of transformers' greedy generate with its KV cache -> (tokens, 1.0, forwards)."""
+  """A call of transformers' greedy generate with its KV cache (prompts left-padded)
+  -> (tokens, 1.0, forwards, {1: forwards})."""
   import torch  # pylint: disable=import-outside-toplevel
-  ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
+  width = max(map(len, prompts))
+  ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,
+                     device=model.device)
+  mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                      dtype=torch.long, device=model.device)
 
   def call():
     with torch.no_grad():
-      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=max_new, use_cache=True, pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist(), 1.0, max_new
+      out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                           use_cache=True, pad_token_id=0)
+    return out[:, width:].tolist(), 1.0, max_new, {1: max_new}
   return call
 
 
-def best_times(calls: dict[str, Any], repeats: int) -> tuple[dict[str, float], dict[str, Any]]:
-  """Warms every call up (compiles), then times them round-robin, `repeats` rounds;
-  -> (best seconds per call, each call's output). Round-robin spreads the load of
-  other jobs on a shared machine over all rows, and the best round drops it."""
+def best_times(calls: dict[Any, Any], repeats: int) -> tuple[dict[Any, float], dict[Any, Any]]:
+  """Warms every call up (compiles, calibrates), then times them round-robin, `repeats`
+  rounds; -> (best seconds per call, each call's output). Round-robin spreads the load
+  of other jobs on a shared machine over all rows, and the best round drops it."""
   outputs = {name: call() for name, call in calls.items()}
   best = {name: float("inf") for name in calls}
   for _ in range(repeats):
@@ -123,81 +180,112 @@ def load_transformers(config, params, directory: str, threads: int):
                  "transformers": transformers.__version__, "torch": torch.__version__}
 
 
-def bench_batch(config, params, peer, prompts, windows, taus, args, mask_id) -> list[dict]:
+def make_policies(args, windows: list[int]) -> dict[str, WindowPolicy]:
+  """One policy per mode; cost tables from --costs files when present."""
+  policies = {}
+  for mode in MODES:
+    path = f"{args.costs}.{mode}.json" if args.costs else ""
+    costs = CostTable.load(path) if path and os.path.isfile(path) else CostTable(
+        meta={"model": args.model, "mode": mode, "backend": jax.default_backend()})
+    policies[mode] = WindowPolicy(windows, costs, segment_steps=args.segment_steps)
+  return policies
+
+
+def bench_batch(m: BenchModel, peer, prompts, windows, taus, args,
+                policies: dict[str, WindowPolicy]) -> list[dict]:
   """All rows of one batch size; speedups are against our AR loop on the same prompts."""
-  kw = dict(max_new=args.max_new_tokens, mask_id=mask_id, metric=args.metric)
-  calls = {("ours AR", 1, 1.0): ours(config, params, prompts, window=1, tau=1.0, **kw)}
+  kw = dict(max_new=args.max_new_tokens, metric=args.metric)
+  calls = {("ours AR", 1, 1.0): ours(m, prompts, window=1, tau=1.0, **kw)}
   if peer is not None:
     calls[("transformers", 1, 1.0)] = transformers_generate(peer, prompts,
                                                             max_new=args.max_new_tokens)
   for window in (w for w in windows if w > 1):
     for tau in taus:
-      calls[("ours MARS", window, tau)] = ours(config, params, prompts, window=window,
-                                               tau=tau, **kw)
+      calls[("ours MARS", window, tau)] = ours(m, prompts, window=window, tau=tau, **kw)
+    calls[("ours lossless", window, 1.0)] = ours(m, prompts, window=window, tau=1.0,
+                                                 mode="lossless", **kw)
+  calls[("auto MARS", "auto", taus[0])] = ours(m, prompts, window="auto", tau=taus[0],
+                                               policy=policies["gated"], **kw)
+  calls[("auto lossless", "auto", 1.0)] = ours(m, prompts, window="auto", tau=1.0,
+                                               mode="lossless", policy=policies["lossless"],
+                                               **kw)
   seconds, outputs = best_times(calls, args.repeats)
   ar_tokens = outputs[("ours AR", 1, 1.0)][0]
   ar_rate = sum(map(len, ar_tokens)) / seconds[("ours AR", 1, 1.0)]
   rows = []
-  for key, (tokens, per_forward, forwards) in outputs.items():
+  for key, (tokens, per_forward, forwards, used) in outputs.items():
     rate = sum(map(len, tokens)) / seconds[key]
-    row = {"batch": len(prompts), "impl": key[0], "window": key[1], "tau": key[2],
-           "tokens_per_s": rate, "tokens_per_forward": per_forward, "forwards": forwards,
-           "seconds": seconds[key], "speedup_vs_ours_ar": rate / ar_rate}
-    if key[0] == "transformers":
-      row["same_tokens_as_ours_ar"] = float(np.mean([a == b for a, b in zip(ar_tokens, tokens)]))
-    rows.append(row)
+    rows.append({"batch": len(prompts), "impl": key[0], "window": key[1], "tau": key[2],
+                 "tokens_per_s": rate, "tokens_per_forward": per_forward,
+                 "forwards": forwards, "seconds": seconds[key],
+                 "speedup_vs_ours_ar": rate / ar_rate,
+                 "same_tokens_as_ours_ar": float(np.mean([a == b for a, b in
+                                                          zip(ar_tokens, tokens)])),
+                 "windows_used": {str(w): n for w, n in sorted(used.items())}})
   return rows
 
 
 def run(args) -> dict:
-  config, params, mask_id = load_model(args.model, args.seed)
+  m = load_model(args)
   windows = _ints(args.windows) if args.windows else sorted({1, 2, 4, args.block_size + 1})
   rng = np.random.default_rng(args.seed)
-  facts = {"model": args.model, "config": config.to_hf_dict(), "metric": args.metric,
-           "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
-           "repeats": args.repeats, "backend": jax.default_backend(),
-           "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count()}
+  facts = {"model": args.model, "prompts": args.prompts, "config": m.config.to_hf_dict(),
+           "metric": args.metric, "prompt_len": args.prompt_len,
+           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+           "segment_steps": args.segment_steps, "backend": jax.default_backend(),
+           "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
+           "load_average": os.getloadavg()}
+  policies = make_policies(args, windows)
   with tempfile.TemporaryDirectory(prefix="mars-bench-") as tmp:
     peer = None
     if not args.no_transformers:
-      peer, peer_facts = load_transformers(config, params, os.path.join(tmp, "hf"),
+      peer, peer_facts = load_transformers(m.config, m.params, os.path.join(tmp, "hf"),
                                            args.torch_threads)
       facts.update(peer_facts)
     rows = []
     for i, bs in enumerate(_ints(args.batch_sizes)):
-      prompts = rng.integers(0, mask_id, (bs, args.prompt_len)).tolist()
-      batch_rows = bench_batch(config, params, peer, prompts, windows, _floats(args.taus),
-                               args, mask_id)
+      batch_rows = bench_batch(m, peer, m.prompts(bs, rng), windows, _floats(args.taus), args,
+                               policies)
       print_rows(batch_rows, header=i == 0)
       rows += batch_rows
+  if args.costs:
+    for mode, policy in policies.items():
+      policy.costs.save(f"{args.costs}.{mode}.json")
+  facts["costs"] = {mode: p.costs.to_json() for mode, p in policies.items()}
   return {**facts, "rows": rows}
 
 
 def print_rows(rows, *, header: bool) -> None:
   if header:
-    print(f"{'batch':>5} {'impl':<13} {'W':>2} {'tau':>5} {'tokens/s':>10} {'tok/fwd':>8} "
-          f"{'vs our AR':>9}  note")
+    print(f"{'batch':>5} {'impl':<13} {'W':>4} {'tau':>5} {'tokens/s':>10} {'tok/fwd':>8} "
+          f"{'vs our AR':>9} {'=AR':>5}  W used (batch forwards)")
   for r in rows:
-    note = (f"same tokens as ours AR: {r['same_tokens_as_ours_ar']:.0%}"
-            if "same_tokens_as_ours_ar" in r else "")
-    print(f"{r['batch']:>5} {r['impl']:<13} {r['window']:>2} {r['tau']:>5.2f} "
+    used = " ".join(f"{w}:{n}" for w, n in r["windows_used"].items())
+    print(f"{r['batch']:>5} {r['impl']:<13} {r['window']:>4} {r['tau']:>5.2f} "
           f"{r['tokens_per_s']:>10.1f} {r['tokens_per_forward']:>8.2f} "
-          f"{r['speedup_vs_ours_ar']:>8.2f}x  {note}", flush=True)
+          f"{r['speedup_vs_ours_ar']:>8.2f}x {r['same_tokens_as_ours_ar']:>5.0%}  {used}",
+          flush=True)
 
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.bench sample", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="tiny",
-                 help="HF directory, or tiny | small | a Qwen2.5 preset (random init)")
+                 help="HF dir, RUN_DIR[/STEP], toy, or tiny | small | a Qwen2.5 preset")
+  p.add_argument("--prompts", default="auto",
+                 help="random | synthetic | toy (auto: toy for --model toy, else random)")
   p.add_argument("--batch-sizes", default="1,4,8,16,32,64")
   p.add_argument("--block-size", type=int, default=4, help="B: windows default to 1,2,4,B+1")
   p.add_argument("--windows", default="", help="comma list overriding the default windows")
-  p.add_argument("--taus", default="0.9", help="comma list of gate thresholds for W > 1")
+  p.add_argument("--taus", default="0.9", help="comma list of gate thresholds for W > 1; "
+                                               "the policy's gated rows use the first")
   p.add_argument("--metric", choices=gates.METRICS, default="probability")
-  p.add_argument("--prompt-len", type=int, default=32)
+  p.add_argument("--prompt-len", type=int, default=32, help="random and toy prompts")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--segment-steps", type=int, default=8,
+                 help="decoding steps between two choices of the window policy")
+  p.add_argument("--costs", default="", help="cost-table prefix (see above)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
   p.add_argument("--torch-threads", type=int, default=0,
@@ -206,9 +294,10 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="bench_sample.json", help="JSON results file")
   args = p.parse_args(argv)
   print(f"model={args.model} backend={jax.default_backend()} cpus={os.cpu_count()} "
-        f"prompt_len={args.prompt_len} max_new_tokens={args.max_new_tokens} "
-        f"metric={args.metric}; peer: transformers greedy generate (KV cache) on the "
-        "exported weights")
+        f"load={os.getloadavg()[0]:.1f} prompt_len={args.prompt_len} "
+        f"max_new_tokens={args.max_new_tokens} metric={args.metric}; peer: transformers "
+        "greedy generate (KV cache) on the exported weights; =AR: share of samples whose "
+        "tokens equal our AR loop's")
   result = run(args)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

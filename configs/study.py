@@ -3,7 +3,9 @@
   python -m mars_jax.study --config configs/study.py --workdir runs/study
 
 The model, tokenizer and data are configs/tiny.py's; `study` sets the run lengths,
-the variants and the evaluation grid (see mars_jax/study.py).
+the variants and the evaluation grid (see mars_jax/study.py). With the defaults the
+parent is configs/tiny.py's stage 1 and `mars_b4` its stage 2, so
+`--config.study.parent_dir=runs/tiny/stage1` reuses the default run's parent.
 """
 
 import importlib.util
@@ -25,7 +27,8 @@ def get_config():
   c.train.eval_every = 100
   c.train.checkpoint_every = 100
   c.study = ml_collections.ConfigDict(dict(
-      parent_steps=400, parent_learning_rate=2e-3, child_steps=80,
+      parent_dir=ml_collections.config_dict.placeholder(str),
+      parent_steps=300, parent_learning_rate=2e-3, child_steps=100,
       variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
                 "noar_b16", "bd_b4"),
       taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability", "margin"), num_problems=500,

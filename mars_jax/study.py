@@ -77,13 +77,13 @@ def run_study(cfg, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   results_path = os.path.join(workdir, "results.json")
   results = json.load(open(results_path)) if os.path.exists(results_path) else {}
-  parent_dir = os.path.join(workdir, "parent")
+  parent_dir = cfg.study.parent_dir or os.path.join(workdir, "parent")
   problems = evaluate.load_problems("synthetic", cfg.study.num_problems,
                                     seed=cfg.data.synthetic.seed)
   for name in ["parent", *cfg.study.variants]:
     if name in results:
       continue
-    run_dir = os.path.join(workdir, name)
+    run_dir = parent_dir if name == "parent" else os.path.join(workdir, name)
     t0 = time.time()
     summary = experiment.run(variant_config(cfg, name, parent_dir), run_dir)
     train_s = time.time() - t0
@@ -98,7 +98,8 @@ def run_study(cfg, workdir: str) -> dict:
       rows.append({"metric": gate, "window": w, "tau": tau,
                    **{k: v for k, v in r.items() if k != "outputs"}})
     results[name] = {"train_s": train_s, "eval_s": time.time() - t1, "rows": rows,
-                     "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss")}
+                     "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss"),
+                     "run_dir": run_dir}
     print(f"\n[{name}] train {train_s:.0f}s, eval {results[name]['eval_s']:.0f}s\n"
           + evaluate.format_table(rows), flush=True)
     with open(results_path + ".tmp", "w") as f:
@@ -128,6 +129,8 @@ def write_report(cfg, results: dict, path: str, command: str) -> None:
       f"{cfg.data.max_length}. Greedy decoding on {s.num_problems} held-out problems; "
       "tokens per forward = generated tokens / forwards (AR = 1.00).", "",
       "## Wall-clock and final losses", "",
+      "A run trained before the study (a reused parent) shows only its loading time and no "
+      "final loss here.", "",
       "| run | train s | eval s | final train loss | final eval loss |",
       "|---|---:|---:|---:|---:|"]
   for name, res in results.items():

@@ -434,10 +434,11 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
 
 
 def measure_fn(config: Qwen2Config, params, *, mode: str, mask_token_id: int) -> Measure:
-  """(batch, cache_len, window) -> seconds per step, for `WindowPolicy.choose`."""
+  """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
+  it round-robin over the windows), for `WindowPolicy.choose`."""
   def measure(batch: int, cache_len: int, window: int) -> float:
     return step_seconds(config, params, batch=batch, cache_len=cache_len, window=window,
-                        mode=mode, mask_token_id=mask_token_id)
+                        mode=mode, mask_token_id=mask_token_id, repeats=1)
   return measure
 
 

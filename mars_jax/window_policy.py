@@ -110,36 +110,41 @@ class WindowPolicy:
 
   costs: a `CostTable`, a JSON path of one, or None (an empty table that `choose`
   fills by measuring); prior_forwards: weight of the optimistic prior of each
-  W's tokens per forward; segment_steps: decoding steps run between two choices.
+  W's tokens per forward; segment_steps: decoding steps run between two choices;
+  calibration_rounds: timings of each missing variant, taken round-robin over
+  the windows (so that other load on the machine hits them alike), best kept.
   """
 
   def __init__(self, windows: Sequence[int] = (1, 2, 3, 5),
                costs: CostTable | str | None = None, *, prior_forwards: float = 8.0,
-               segment_steps: int = 16):
+               segment_steps: int = 16, calibration_rounds: int = 5):
     if any(w < 1 for w in windows):
       raise ValueError(f"windows={list(windows)}; every W must be >= 1.")
-    if segment_steps < 1:
-      raise ValueError(f"segment_steps={segment_steps}; it must be >= 1.")
+    if segment_steps < 1 or calibration_rounds < 1:
+      raise ValueError(f"segment_steps={segment_steps}, calibration_rounds="
+                       f"{calibration_rounds}; both must be >= 1.")
     self.windows = tuple(sorted({1, *windows}))
     self.costs = CostTable.load(costs) if isinstance(costs, str) else (costs or CostTable())
     self.stats = AcceptanceStats(prior_forwards)
     self.segment_steps = segment_steps
+    self.calibration_rounds = calibration_rounds
     self.choices: list[tuple[int, int, int]] = []   # (batch, active, W) per decision
 
-  def cost(self, batch: int, cache_len: int, window: int,
-           measure: Measure | None = None) -> float | None:
-    """Seconds per step of the variant; measured (and stored) when missing and
-    `measure` is given."""
-    seconds = self.costs.get(batch, cache_len, window)
-    if seconds is None and measure is not None:
-      seconds = measure(batch, cache_len, window)
-      self.costs.put(batch, cache_len, window, seconds)
-    return seconds
+  def calibrate(self, batch: int, cache_len: int, measure: Measure) -> None:
+    """Measures the windows the table has no cost for at (batch, cache_len)."""
+    missing = [w for w in self.windows
+               if w <= cache_len and self.costs.get(batch, cache_len, w) is None]
+    best = {w: float("inf") for w in missing}
+    for _ in range(self.calibration_rounds if missing else 0):
+      for w in missing:
+        best[w] = min(best[w], measure(batch, cache_len, w))
+    for w, seconds in best.items():
+      self.costs.put(batch, cache_len, w, seconds)
 
-  def expected_rate(self, batch: int, cache_len: int, active: int, window: int,
-                    measure: Measure | None = None) -> float | None:
+  def expected_rate(self, batch: int, cache_len: int, active: int,
+                    window: int) -> float | None:
     """Expected tokens per second at W (None: no cost known for the variant)."""
-    seconds = self.cost(batch, cache_len, window, measure)
+    seconds = self.costs.get(batch, cache_len, window)
     if seconds is None:
       return None
     return active * self.stats.tokens_per_forward(window) / seconds
@@ -149,11 +154,13 @@ class WindowPolicy:
     """The W with the highest expected rate (the smallest on ties); 1 when nothing is
     active. Raises if W = 1's cost is neither known nor measurable."""
     best, best_rate = 1, None
+    if active > 0 and measure is not None:
+      self.calibrate(batch, cache_len, measure)
     if active > 0:
       for window in self.windows:
         if window > cache_len:
           continue
-        rate = self.expected_rate(batch, cache_len, active, window, measure)
+        rate = self.expected_rate(batch, cache_len, active, window)
         if window == 1 and rate is None:
           raise ValueError(f"no cost for W=1 at batch {batch}, cache length {cache_len}: "
                            "give a cost table with it, or a measure function.")

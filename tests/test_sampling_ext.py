@@ -171,12 +171,21 @@ def test_cost_table_file_and_lookup(tmp_path):
   table.save(str(tmp_path / "costs.json"))
   policy = WindowPolicy((1, 3), str(tmp_path / "costs.json"))
   assert policy.costs.seconds == table.seconds and policy.costs.meta == {"device": "cpu"}
-  assert policy.cost(8, 512, 3) == 0.012                     # nearest cache length
-  assert policy.cost(16, 128, 3) is None
+  assert policy.costs.get(8, 512, 3) == 0.012                 # nearest cache length
+  assert policy.costs.get(16, 128, 3) is None
   with pytest.raises(ValueError, match="no cost for W=1"):
     policy.choose(16, 128, active=16)
-  assert policy.choose(16, 128, active=16, measure=lambda b, s, w: 0.02 * w) == 1
-  assert policy.costs.get(16, 128, 3) == pytest.approx(0.06)
+  calls = []
+
+  def measure(batch, cache_len, window):  # the first round is slowed down by other load
+    calls.append(window)
+    return {1: 0.02, 3: 0.07}[window] * (1.5 if len(calls) <= 2 else 1.0)
+
+  policy.calibration_rounds = 3
+  assert policy.choose(16, 128, active=16, measure=measure) == 1
+  assert calls == [1, 3] * 3                                   # round-robin over windows
+  assert policy.costs.get(16, 128, 3) == pytest.approx(0.07)
+  assert policy.choose(16, 128, active=16, measure=measure) == 1 and len(calls) == 6
   assert AcceptanceStats(prior_forwards=2.0).tokens_per_forward(4) == 4.0
 
 

@@ -112,10 +112,14 @@ class RunCheckpointer:
         params=ocp.args.StandardRestore(abstract_params),
         opt=ocp.args.StandardRestore(abstract_opt)))
     path = self._data_path(step)
-    if not os.path.isfile(path):
-      raise FileNotFoundError(
-          f"{path}: checkpoint step {step} has no data-iterator state for process "
-          f"{jax.process_index()}; was it written by a different number of processes?")
+    written = len(os.listdir(os.path.dirname(path))) if os.path.isdir(
+        os.path.dirname(path)) else 0
+    if written != jax.process_count():
+      raise ValueError(
+          f"{os.path.dirname(path)}: checkpoint step {step} holds the data-iterator state of "
+          f"{written} process(es), this run has {jax.process_count()}; resume with the same "
+          "number of processes (the data order depends on it), or start a new stage from "
+          "this run with model.init=<run dir>.")
     with open(path) as f:
       data_state = json.load(f)
     return out.params, out.opt, data_state

@@ -104,3 +104,12 @@ def test_processes_with_different_configs_fail_clearly(tmp_path):
   assert all(p.returncode != 0 for p in procs)
   assert all("processes disagree on the config" in o for o in outs)
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_resume_with_another_process_count_is_refused(two_proc, tmp_path):
+  import shutil
+  d = str(tmp_path / "copy")
+  shutil.copytree(two_proc, d)
+  r = train(d, "--config.train.steps=6", "--config.train.checkpoint_every=2", check=False)
+  assert r.returncode != 0
+  assert "holds the data-iterator state of 2 process(es), this run has 1" in r.stdout + r.stderr

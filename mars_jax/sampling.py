@@ -486,7 +486,12 @@ def segment(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
 
 def _generate_policy(config, params, prompts, policy: Policy, *, budget, tau, metric,
                      mask_token_id, eos_token_ids, mode) -> GenerateResult:
-  """`generate` with the window chosen by `policy` before every segment of steps."""
+  """`generate` with the window chosen by `policy` before every segment of steps.
+
+  The prefill runs first, at a window that does not depend on the policy's choice
+  (so it compiles once per prompt bucket): the largest W in lossless mode (its
+  drafts are cut to the W chosen next), 1 in gated mode (accepted tokens would
+  otherwise exceed a smaller W's slots)."""
   n = len(prompts)
   b = pow2(n)
   prompt, lens = _prompt_array(prompts, b)
@@ -495,18 +500,20 @@ def _generate_policy(config, params, prompts, policy: Policy, *, budget, tau, me
   state = start(config, prompt, lens, pad(budget),
                 pad(per_prompt(tau, n, "tau", np.float32), constant_values=1.0),
                 pad(gates.metric_ids(metric, n)), cache_len=cache_len)
-  measure = measure_fn(config, params, mode=mode, mask_token_id=mask_token_id)
   eos_ids = eos_array(eos_token_ids)
-  used: dict[int, int] = {}
-  now = Progress(pad(budget) < 1, lens, np.zeros_like(lens), 0)
-  real_slots = prompt.shape[1]
+  prefill_window = max(policy.windows) if mode == "lossless" else 1
+  state = run_steps(config, params, state, eos_ids, np.int32(mask_token_id), np.int32(1),
+                    np.bool_(False), window=prefill_window, real_slots=prompt.shape[1],
+                    mode=mode)
+  measure = measure_fn(config, params, mode=mode, mask_token_id=mask_token_id)
+  used = {prefill_window: 1}
+  now = progress(state)
   while not np.all(now.done[:n]):
     steps0 = now.steps
     state, window, now = segment(config, params, state, policy, eos_ids=eos_ids,
                                  mask_token_id=mask_token_id, mode=mode, measure=measure,
-                                 before=now, real_slots=real_slots)
+                                 before=now)
     used[window] = used.get(window, 0) + now.steps - steps0
-    real_slots = 0
   return results(state, n, used)
 
 

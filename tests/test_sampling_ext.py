@@ -203,8 +203,8 @@ def test_auto_window_follows_the_cost_table(trained, model, eos_ids, greedy_ref)
   assert out.tokens_per_forward > 2.5
   dear = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 6.0}), segment_steps=2)
   out = sampling.generate(m.config, m.params, prompts, window="auto", policy=dear, **kw)
-  assert out.tokens == ar.tokens and set(out.windows) == {1}
-  assert out.tokens_per_forward == 1.0
+  assert out.tokens == ar.tokens and out.windows == {5: 1, 1: out.forwards - 1}
+  assert out.tokens_per_forward == 1.0                         # the prefill's drafts were cut
   # Costs measured on the spot, on the random model (drafts mostly wrong).
   config, params = model
   measured = WindowPolicy((1, 3), segment_steps=3)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import time
 from typing import Any
@@ -26,8 +25,6 @@ from mars_jax import train_step as ts
 from mars_jax.data import load_data
 from mars_jax.models.qwen2 import Qwen2Config
 from mars_jax.optimizer import make_optimizer, make_schedule
-
-_LOG = logging.getLogger("mars_jax.train")
 
 
 @dataclasses.dataclass
@@ -96,7 +93,7 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
   nproc, pid = jax.process_count(), jax.process_index()
   data = load_data(cfg.data, tokenizer)
   if pid == 0:
-    _LOG.info("data: %s", data.stats.summary())
+    print(f"[{os.path.basename(run_dir)}] data: {data.stats.summary()}", flush=True)
   batch_size = cfg.train.batch_size
   total = cfg.train.steps or data.num_steps(batch_size)
   if not total:
@@ -129,7 +126,7 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
     state = ts.TrainState(step=opt["step"], params=params, opt_state=opt["opt_state"])
     it.set_state(data_state)
     if pid == 0:
-      _LOG.info("resumed %s from step %d", run_dir, start)
+      print(f"resumed {run_dir} from step {start}", flush=True)
   else:
     start = 0
     state = ts.init_train_state(model_config, tx, mesh, params=init_params,

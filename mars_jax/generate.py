@@ -61,8 +61,12 @@ def main(argv=None) -> None:
   p.add_argument("--system", help="system turn put before every --prompt")
   p.add_argument("--raw", action="store_true", help="no chat template: feed the text as is")
   p.add_argument("--tau", type=float, default=1.0, help="gate threshold (1.0: exact AR)")
-  p.add_argument("--window", type=int, default=1,
-                 help="proposals per forward W, 1 <= W <= block size + 1 (1: AR)")
+  p.add_argument("--window", default="1",
+                 help="proposals per forward W, 1 <= W <= block size + 1 (1: AR), or 'auto' "
+                      "(load-aware choice, mars_jax.window_policy)")
+  p.add_argument("--mode", choices=["gated", "lossless"], default="gated",
+                 help="gated: MASK proposals committed under the gate; lossless: drafts "
+                      "verified by the next forward, output equal to greedy AR")
   p.add_argument("--metric", choices=gates.METRICS, default="probability")
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
@@ -70,6 +74,7 @@ def main(argv=None) -> None:
                  help="weights of an HF directory (a run loads in its own dtype)")
   args = p.parse_args(argv)
 
+  window = args.window if args.window == "auto" else int(args.window)
   model = load_model(args.model, dtype=args.dtype)
   config, params, tokenizer = model.config, model.params, model.tokenizer
   if args.prompt is not None:
@@ -85,7 +90,7 @@ def main(argv=None) -> None:
                             max_new_tokens=args.max_new_tokens,
                             mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=args.tau,
-                            window=args.window,
+                            window=window, mode=args.mode,
                             metric=args.metric)
     for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
       print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "
@@ -96,7 +101,7 @@ def main(argv=None) -> None:
   seconds = time.perf_counter() - start
   print(f"--- {len(prompts)} prompts, {tokens} tokens, {tokens / max(forwards, 1):.3f} "
         f"tokens/forward, {tokens / seconds:.1f} tokens/s (compilation included); "
-        f"window={args.window} tau={args.tau} metric={args.metric}")
+        f"window={args.window} mode={args.mode} tau={args.tau} metric={args.metric}")
 
 
 if __name__ == "__main__":

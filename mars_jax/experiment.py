@@ -55,7 +55,7 @@ def stage1_config(cfg):
   return s1
 
 
-def run(cfg, workdir: str, *, show_progress: bool = True) -> dict:
+def run(cfg, workdir: str) -> dict:
   """Every stage, the final evaluation and the export. Returns a summary dict."""
   train_config.validate(cfg)
   if cfg.stage1.enabled:
@@ -67,8 +67,7 @@ def run(cfg, workdir: str, *, show_progress: bool = True) -> dict:
   models = {}
   for name, stage_cfg in stages:
     run_dir = workdir if name == "main" else os.path.join(workdir, name)
-    res = trainer.run_stage(stage_cfg, run_dir, config, params, tok, mask_id,
-                            show_progress=show_progress)
+    res = trainer.run_stage(stage_cfg, run_dir, config, params, tok, mask_id)
     params = res.params
     models[name] = params
     summary["stages"][name] = {"run_dir": run_dir, "wall_s": res.wall_s,

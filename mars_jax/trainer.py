@@ -87,7 +87,7 @@ def layout(cfg, model_config: Qwen2Config) -> dict:
 
 
 def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, tokenizer,
-              mask_id: int, *, show_progress: bool = True) -> StageResult:
+              mask_id: int) -> StageResult:
   """Trains one stage in `run_dir` as `cfg` says; returns its final params."""
   t0 = time.time()
   nproc, pid = jax.process_count(), jax.process_index()
@@ -136,7 +136,7 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
   writer = MetricsWriter(run_dir)
   history = []
   bar = tqdm(total=total, initial=start, desc=os.path.basename(run_dir), unit="step",
-             disable=pid != 0 or not show_progress, dynamic_ncols=True)
+             disable=pid != 0, dynamic_ncols=True)
   tokens_per_step = batch_size * data.max_length
   last_t, last_step = time.time(), start
   end = min(total, cfg.train.stop_at_step or total)

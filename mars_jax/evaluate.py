@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from mars_jax import sampling
 from mars_jax.data import synthetic
-from mars_jax.loading import LoadedModel, load_model
+from mars_jax.loading import LoadedModel, chat_prompt_ids, load_model
 
 
 def load_problems(task: str, num: int | None = None, *, seed: int = 0) -> list[dict]:
@@ -48,20 +48,14 @@ def load_problems(task: str, num: int | None = None, *, seed: int = 0) -> list[d
   return problems[:num] if num else problems
 
 
-def prompt_ids(tokenizer, question: str) -> list[int]:
-  """The chat-formatted user turn plus the assistant header, as token ids."""
-  return list(tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=False))
-
-
 def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, window: int = 1,
           metric: str = "probability", batch_size: int = 64, max_new_tokens: int = 64,
           progress: Any = None) -> dict:
   """Decodes every problem; -> {accuracy, tokens_per_forward, tokens, forwards, n,
   outputs}. tokens_per_forward = generated tokens / per-sample forwards (prefill
   included), so AR decoding gives exactly 1.0."""
-  prompts = [prompt_ids(model.tokenizer, p["question"]) for p in problems]
+  prompts = [chat_prompt_ids(model.tokenizer, [{"role": "user", "content": p["question"]}])
+             for p in problems]
   correct = tokens = forwards = 0
   outputs = []
   for i in range(0, len(prompts), batch_size):

@@ -83,15 +83,16 @@ def run(cfg, workdir: str) -> dict:
             "without it (or with a later step) to resume.", flush=True)
       summary["stopped"] = True
       return summary
-  gathered = {k: _host_params(v) for k, v in models.items()}
   if cfg.final_eval.num_problems > 0:
+    gathered = {k: _host_params(v) for k, v in models.items()}
     summary["final_eval"] = _final_eval(cfg, config, gathered, tok, mask_id)
-  if cfg.train.export_hf and jax.process_index() == 0:
+  if cfg.train.export_hf:
+    final = _host_params(params)  # every process joins the gather; process 0 writes
     out = os.path.join(workdir, "hf")
-    hf.save_pretrained(config, gathered[stages[-1][0]], out, tokenizer=tok,
-                       dtype=cfg.train.export_dtype)
+    if jax.process_index() == 0:
+      hf.save_pretrained(config, final, out, tokenizer=tok, dtype=cfg.train.export_dtype)
+      print(f"exported the final weights to {out}", flush=True)
     summary["export"] = out
-    print(f"exported the final weights to {out}", flush=True)
   return summary
 
 

@@ -20,7 +20,7 @@ import time
 from typing import Sequence
 
 from mars_jax import gates, sampling
-from mars_jax.loading import load_model
+from mars_jax.loading import chat_prompt_ids, load_model
 
 
 def read_prompts(path: str) -> list[list[dict]]:
@@ -47,8 +47,7 @@ def encode(tokenizer, chats: Sequence[list[dict]], *, raw: bool) -> list[list[in
   if raw:
     return [tokenizer.encode("".join(m["content"] for m in c), add_special_tokens=False)
             for c in chats]
-  return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]) for c in chats]
+  return [chat_prompt_ids(tokenizer, c) for c in chats]
 
 
 def main(argv=None) -> None:

@@ -58,3 +58,9 @@ def load_model(path: str, *, dtype: str = "float32", **runtime) -> LoadedModel:
   tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
   return LoadedModel(config, params, tokenizer, mask_id,
                      eos_token_ids(tokenizer, config, tok_dir))
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+  """A chat (role/content turns) in the tokenizer's template plus the assistant header."""
+  return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])

@@ -138,35 +138,39 @@ def test_tokenizer_without_spare_row_fails(hf_tiny, tmp_path):
 # ---- bad input ----------------------------------------------------------------------
 
 
+def _copy_with_config(hf_tiny, tmp_path, name, **changes):
+  """A copy of the tied tiny checkpoint, with `changes` written into its config.json."""
+  path, _ = hf_tiny(tie=True)
+  d = str(tmp_path / name)
+  shutil.copytree(path, d)
+  if changes:
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg.update(changes)
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+  return d
+
+
 def test_missing_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match="no such model directory"):
     hf.load_pretrained(str(tmp_path / "nope"))
 
 
 def test_missing_config(hf_tiny, tmp_path):
-  path, _ = hf_tiny(tie=True)
-  d = str(tmp_path / "noconf")
-  shutil.copytree(path, d)
+  d = _copy_with_config(hf_tiny, tmp_path, "noconf")
   os.remove(os.path.join(d, "config.json"))
   with pytest.raises(FileNotFoundError, match="config.json"):
     hf.load_pretrained(d)
 
 
 def test_wrong_architecture(hf_tiny, tmp_path):
-  path, _ = hf_tiny(tie=True)
-  d = str(tmp_path / "llama")
-  shutil.copytree(path, d)
-  cfg = json.load(open(os.path.join(d, "config.json")))
-  cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
-  json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+  d = _copy_with_config(hf_tiny, tmp_path, "llama", architectures=["LlamaForCausalLM"],
+                        model_type="llama")
   with pytest.raises(ValueError, match=r"config.json.*LlamaForCausalLM.*Qwen2ForCausalLM"):
     hf.load_pretrained(d)
 
 
 def test_truncated_safetensors(hf_tiny, tmp_path):
-  path, _ = hf_tiny(tie=True)
-  d = str(tmp_path / "trunc")
-  shutil.copytree(path, d)
+  d = _copy_with_config(hf_tiny, tmp_path, "trunc")
   f = os.path.join(d, "model.safetensors")
   size = os.path.getsize(f)
   with open(f, "r+b") as fh:
@@ -176,12 +180,7 @@ def test_truncated_safetensors(hf_tiny, tmp_path):
 
 
 def test_wrong_tensor_shape(hf_tiny, tmp_path):
-  path, _ = hf_tiny(tie=True)
-  d = str(tmp_path / "shape")
-  shutil.copytree(path, d)
-  cfg = json.load(open(os.path.join(d, "config.json")))
-  cfg["intermediate_size"] = 80
-  json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+  d = _copy_with_config(hf_tiny, tmp_path, "shape", intermediate_size=80)
   with pytest.raises(ValueError, match=r"model.safetensors: tensor model.layers.0.mlp.gate_proj"
                      r".weight has shape \(96, 64\), config.json implies \(80, 64\)"):
     hf.load_pretrained(d)

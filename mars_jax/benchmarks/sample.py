@@ -80,7 +80,8 @@ def _synthetic_prompts(tokenizer):
   problems = evaluate.load_problems("synthetic", 512)
 
   def draw(n, rng):
-    return [evaluate.prompt_ids(tokenizer, problems[i]["question"])
+    return [loading.chat_prompt_ids(tokenizer,
+                                    [{"role": "user", "content": problems[i]["question"]}])
             for i in rng.choice(len(problems), n, replace=False)]
   return draw
 

@@ -2,7 +2,7 @@
 
 Run directory layout:
 
-  RUN_DIR/layout.json              model config + objective + dtype facts of the run
+  RUN_DIR/layout.json              model config, runtime (dtypes, scan) and objective of the run
   RUN_DIR/tokenizer/               tokenizer files (with `<|mask|>`), when known
   RUN_DIR/checkpoints/<step>/      orbax items: params, opt (optimizer state + step)
   RUN_DIR/data_state/<step>/process_<i>.json   each process's data-iterator state
@@ -22,17 +22,28 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from mars_jax.models.qwen2 import Qwen2Config, abstract_params
+from mars_jax.models.qwen2 import Qwen2Config, Runtime, abstract_params, relayout
 
 LAYOUT_FILE = "layout.json"
 # Facts that change what a checkpoint means; a resumed run must agree on them.
 _LAYOUT_KEYS = ("model", "objective")
+# Runtime fields a resumed run must keep: the stored tree and the precision it trains at.
+_RUNTIME_KEYS = ("param_dtype", "dtype", "scan_layers")
 
 
-def model_layout(config: Qwen2Config) -> dict[str, Any]:
-  """The model part of layout.json: HF config plus the layout-relevant runtime fields."""
-  return {**config.to_hf_dict(), "scan_layers": config.scan_layers,
-          "param_dtype": config.param_dtype}
+def model_layout(config: Qwen2Config, runtime: Runtime) -> dict[str, Any]:
+  """The model and runtime parts of layout.json: the HF config, and how the run stores
+  and computes it (param dtype, compute dtype, attention, remat, scan)."""
+  return {"model": config.to_hf_dict(torch_dtype=runtime.param_dtype),
+          "runtime": runtime.to_dict()}
+
+
+def _layout_diffs(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+  diffs = [(k, old.get(k), new.get(k)) for k in _LAYOUT_KEYS
+           if k in old and old.get(k) != new.get(k)]
+  old_rt, new_rt = old.get("runtime", {}), new.get("runtime", {})
+  return diffs + [(f"runtime.{k}", old_rt.get(k), new_rt.get(k)) for k in _RUNTIME_KEYS
+                  if k in old_rt and old_rt.get(k) != new_rt.get(k)]
 
 
 def write_layout(run_dir: str, layout: dict[str, Any]) -> None:
@@ -41,10 +52,9 @@ def write_layout(run_dir: str, layout: dict[str, Any]) -> None:
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-    diffs = [k for k in _LAYOUT_KEYS if k in old and old.get(k) != layout.get(k)]
+    diffs = _layout_diffs(old, layout)
     if diffs:
-      detail = "; ".join(f"{k}: checkpoint has {old.get(k)!r}, config asks {layout.get(k)!r}"
-                         for k in diffs)
+      detail = "; ".join(f"{k}: checkpoint has {a!r}, config asks {b!r}" for k, a, b in diffs)
       raise ValueError(f"{path}: this run directory holds a different run ({detail}). Use a "
                        "fresh --workdir, or start a new stage from it with "
                        "model.init=<this run dir>.")
@@ -65,10 +75,14 @@ def read_layout(run_dir: str) -> dict[str, Any]:
     return json.load(f)
 
 
-def config_from_layout(layout: dict[str, Any], **runtime) -> Qwen2Config:
+def config_from_layout(layout: dict[str, Any]) -> tuple[Qwen2Config, Runtime]:
+  """-> (model config, the runtime the run trained with)."""
   m = layout["model"]
-  runtime = {"scan_layers": m["scan_layers"], "param_dtype": m["param_dtype"], **runtime}
-  return Qwen2Config.from_hf_dict(m, source=LAYOUT_FILE, **runtime)
+  if "runtime" in layout:
+    runtime = Runtime(**layout["runtime"])
+  else:  # runs written before the runtime had its own record
+    runtime = Runtime(param_dtype=m["param_dtype"], scan_layers=m["scan_layers"])
+  return Qwen2Config.from_hf_dict(m, source=LAYOUT_FILE), runtime
 
 
 class RunCheckpointer:
@@ -151,15 +165,19 @@ def resolve_checkpoint(path: str) -> tuple[str, int]:
   return path, max(steps)
 
 
-def load_params(path: str, *, shardings: Any = None, **runtime) -> tuple[Qwen2Config, Any]:
+def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = None
+                ) -> tuple[Qwen2Config, Runtime, Any]:
   """Params of a training checkpoint (RUN_DIR = latest step, or RUN_DIR/<step>).
 
-  `shardings`: a pytree of `jax.sharding.Sharding` matching the params (default: all
-  on the first local device). Works on checkpoints written by any number of processes.
+  -> (model config, runtime, params). `runtime`: how the caller will compute the
+  params (default: the runtime the run trained with); the params come in its
+  param dtype and layer layout. `shardings`: a pytree of `jax.sharding.Sharding`
+  matching the stored params (default: all on the first local device). Works on
+  checkpoints written by any number of processes.
   """
   run_dir, step = resolve_checkpoint(path)
-  config = config_from_layout(read_layout(run_dir), **runtime)
-  abstract = abstract_params(config)
+  config, stored = config_from_layout(read_layout(run_dir))
+  abstract = abstract_params(config, runtime=stored)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract)
@@ -168,7 +186,8 @@ def load_params(path: str, *, shardings: Any = None, **runtime) -> tuple[Qwen2Co
   with ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), item_names=("params",),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
     out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-  return config, out.params
+  runtime = runtime or stored
+  return config, runtime, relayout(out.params, runtime)
 
 
 def tokenizer_dir(run_dir: str) -> str:

@@ -7,6 +7,13 @@ plot (accuracy vs tokens per forward).
 
   python -m mars_jax.evaluate --model RUN_DIR_OR_HF_DIR --task synthetic \
       --taus 1.0,0.95,0.9 --windows 1,4,5 --metrics probability,margin --out eval/
+
+The synthetic task is drawn with the model's own data settings: the `task.json` that
+training writes into its run directory and into the HF export (difficulty, split
+seed, test fraction, and num_test as the default --num-problems), so a model is
+scored on held-out problems of the distribution it trained on. --difficulty, --seed
+and --test-fraction override single settings; with no record the generator defaults
+are used, with a notice. The settings used and their origin are printed.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ from tqdm.auto import tqdm
 
 from mars_jax import sampling
 from mars_jax.data import synthetic
-from mars_jax.loading import LoadedModel, chat_prompt_ids, load_model
+from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
+                              warn_untrained_windows)
 
 
-def load_problems(task: str, num: int | None = None, *, seed: int = 0) -> list[dict]:
-  """"synthetic" (its test split, `num` problems) or a JSONL path of {question, answer}."""
+def load_problems(task: str, num: int | None = None, *, seed: int = 0,
+                  test_fraction: float = 0.1, difficulty: str = "standard") -> list[dict]:
+  """"synthetic" (its test split, `num` problems, drawn with the given generator
+  settings: pass a run's, see `synthetic_settings`) or a JSONL path of {question, answer}."""
   if task == "synthetic":
-    return synthetic.generate(num or 500, seed=seed, split="test")
+    return synthetic.generate(num or 500, seed=seed, split="test",
+                              test_fraction=test_fraction, difficulty=difficulty)
   if not os.path.isfile(task):
     raise FileNotFoundError(f"{task}: no such task file (use 'synthetic' or a JSONL of "
                             "{\"question\", \"answer\"} records).")
@@ -48,6 +59,67 @@ def load_problems(task: str, num: int | None = None, *, seed: int = 0) -> list[d
   return problems[:num] if num else problems
 
 
+def task_record_dir(model_path: str) -> str:
+  """The directory whose task.json describes `model_path`: the path itself (an HF
+  directory or RUN_DIR), or RUN_DIR for RUN_DIR/STEP and RUN_DIR/checkpoints/STEP."""
+  path = os.path.abspath(model_path.rstrip("/") or "/")
+  if os.path.basename(path).isdigit() and not os.path.isfile(
+      os.path.join(path, synthetic.TASK_FILE)):
+    path = os.path.dirname(path)
+    if os.path.basename(path) == "checkpoints":
+      path = os.path.dirname(path)
+  return path
+
+
+def synthetic_settings(model_path: str | None, **overrides) -> tuple[dict, dict, list[str]]:
+  """The synthetic test-split settings to evaluate `model_path` on.
+
+  Per setting (seed, test_fraction, difficulty, num_test), first of: an override that
+  is not None (a CLI flag), the model's task.json (see `task_record_dir`), the
+  generator default (num_test: None). -> (settings, origin of each, notices).
+  """
+  unknown = set(overrides) - set(synthetic.SPLIT_DEFAULTS) - {"num_test"}
+  if unknown:
+    raise TypeError(f"unknown synthetic settings {sorted(unknown)}.")
+  record, where = None, None
+  if model_path is not None:
+    where = os.path.join(task_record_dir(model_path), synthetic.TASK_FILE)
+    record = synthetic.load_task_settings(os.path.dirname(where))
+  notices = []
+  recorded = record["synthetic"] if record else {}
+  if record is None:
+    notices.append(
+        f"notice: {model_path or 'no model'} has no {synthetic.TASK_FILE} (no record of the "
+        "data it trained on): using the generator defaults for what no flag sets. Pass "
+        "--difficulty/--seed/--test-fraction to match its training data.")
+  elif record["source"] != "synthetic":
+    notices.append(f"notice: {where}: the model trained on {record['source']!r}, not the "
+                   "synthetic task; its data.synthetic settings (unused in training) apply.")
+  settings, origins = {}, {}
+  for key, default in {**synthetic.SPLIT_DEFAULTS, "num_test": None}.items():
+    if overrides.get(key) is not None:
+      settings[key], origins[key] = overrides[key], "flag --" + key.replace("_", "-")
+      if key in ("seed", "test_fraction") and key in recorded and recorded[key] != (
+          overrides[key]):
+        notices.append(f"notice: --{key.replace('_', '-')} {overrides[key]} differs from the "
+                       f"run's {recorded[key]}: this test split may hold problems the model "
+                       "trained on.")
+    elif key in recorded:
+      settings[key], origins[key] = recorded[key], where
+    else:
+      settings[key], origins[key] = default, "generator default"
+  synthetic.check_split_settings(settings, "evaluate")
+  return settings, origins, notices
+
+
+def describe_settings(settings: dict, origins: dict) -> str:
+  """One line per origin: "difficulty=easy seed=0 test_fraction=0.1  (from X)"."""
+  groups: dict[str, list[str]] = {}
+  for key in synthetic.SPLIT_DEFAULTS:
+    groups.setdefault(origins[key], []).append(f"{key}={settings[key]}")
+  return "\n".join(f"  {' '.join(kv)}  (from {origin})" for origin, kv in groups.items())
+
+
 def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, window: int = 1,
           metric: str = "probability", batch_size: int = 64, max_new_tokens: int = 64,
           progress: Any = None) -> dict:
@@ -62,7 +134,7 @@ def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, win
     res = sampling.generate(model.config, model.params, prompts[i:i + batch_size],
                             max_new_tokens=max_new_tokens, mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=tau, window=window,
-                            metric=metric)
+                            metric=metric, runtime=model.runtime)
     for j, toks in enumerate(res.tokens):
       text = model.tokenizer.decode(toks, skip_special_tokens=True)
       ok = synthetic.is_correct(text, problems[i + j]["answer"])
@@ -130,12 +202,30 @@ def _floats(s: str) -> list[float]:
   return [float(x) for x in s.split(",") if x]
 
 
+def _positive_int(s: str) -> int:
+  try:
+    n = int(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"{n}: must be >= 1 (omit the flag for the default)")
+  return n
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.evaluate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", required=True, help="HF directory, RUN_DIR or RUN_DIR/STEP")
   p.add_argument("--task", default="synthetic", help="'synthetic' or a GSM8K-format JSONL")
-  p.add_argument("--num-problems", type=int, default=500)
+  p.add_argument("--num-problems", type=_positive_int, default=None,
+                 help="default: synthetic, the run's recorded data.synthetic.num_test "
+                 "(else 500); a JSONL, 500")
+  p.add_argument("--difficulty", choices=synthetic.DIFFICULTIES, default=None,
+                 help="synthetic: override the run's recorded difficulty")
+  p.add_argument("--seed", type=int, default=None,
+                 help="synthetic: override the run's recorded split seed")
+  p.add_argument("--test-fraction", type=float, default=None,
+                 help="synthetic: override the run's recorded test fraction")
   p.add_argument("--taus", default="1.0,0.95,0.9,0.8,0.7")
   p.add_argument("--windows", default="1,4,5", help="proposals per forward (1 = AR)")
   p.add_argument("--metrics", default="probability,margin",
@@ -144,17 +234,42 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--out", default=None, help="directory for results.json and pareto.png")
   args = p.parse_args(argv)
+  flags = {"seed": args.seed, "test_fraction": args.test_fraction,
+           "difficulty": args.difficulty}
+  task_info = None
+  if args.task == "synthetic":
+    settings, origins, notices = synthetic_settings(args.model, **flags)
+    num, num_from = args.num_problems, "flag --num-problems"
+    if num is None:
+      num, num_from = ((settings["num_test"], f"data.synthetic.num_test in "
+                        f"{origins['num_test']}") if settings["num_test"] else (500, "default"))
+    for line in notices:
+      print(line)
+    print(f"synthetic test split, {num} problems (from {num_from}):\n"
+          + describe_settings(settings, origins), flush=True)
+    problems = load_problems("synthetic", num, **{k: settings[k]
+                                                   for k in synthetic.SPLIT_DEFAULTS})
+    task_info = {"settings": {k: settings[k] for k in synthetic.SPLIT_DEFAULTS},
+                 "origins": {k: origins[k] for k in synthetic.SPLIT_DEFAULTS},
+                 "num_problems": num}
+  else:
+    given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+    if given:
+      p.error(f"{', '.join(given)} apply to --task synthetic only.")
+    problems = load_problems(args.task, args.num_problems or 500)
   model = load_model(args.model)
-  problems = load_problems(args.task, args.num_problems)
+  windows = [int(w) for w in args.windows.split(",")]
+  warn_untrained_windows(args.model, windows)
   rows = sweep(model, problems, taus=_floats(args.taus),
-               windows=[int(w) for w in args.windows.split(",")],
+               windows=windows,
                metrics=args.metrics.split(","), batch_size=args.batch_size,
                max_new_tokens=args.max_new_tokens)
   print(format_table(rows))
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-      json.dump({"model": args.model, "task": args.task, "rows": rows}, f, indent=2)
+      json.dump({"model": args.model, "task": args.task, "synthetic": task_info,
+                 "rows": rows}, f, indent=2)
     series: dict[str, list] = {}
     for r in rows:
       series.setdefault(f"{r['metric']} W={r['window']}", []).append(r)

@@ -16,13 +16,13 @@ import jax
 from jax.experimental import multihost_utils
 
 from mars_jax import evaluate, hf, train_config, trainer
-from mars_jax.data import build_char_tokenizer, model_vocab_size
+from mars_jax.data import build_char_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model
 
 
-def _model_and_tokenizer(cfg):
-  """-> (model config, params or None for random init, tokenizer, mask id)."""
-  runtime = train_config.runtime_fields(cfg)
+def _model_and_tokenizer(cfg, runtime):
+  """-> (model config, params in `runtime`'s layout or None for random init, tokenizer,
+  mask id)."""
   init = cfg.model.init
   if init == "random":
     if cfg.tokenizer in (None, "char"):
@@ -35,7 +35,7 @@ def _model_and_tokenizer(cfg):
     config = train_config.random_model_config(cfg)
     tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size)
     return config, None, tok, mask_id
-  loaded = load_model(init, **runtime)
+  loaded = load_model(init, runtime=runtime)
   if cfg.tokenizer not in (None, "char"):
     tok, mask_id = hf.load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
     return loaded.config, loaded.params, tok, mask_id
@@ -60,14 +60,17 @@ def run(cfg, workdir: str) -> dict:
   train_config.validate(cfg)
   if cfg.stage1.enabled:
     train_config.validate(stage1_config(cfg))
-  config, params, tok, mask_id = _model_and_tokenizer(cfg)
+  if cfg.train.export_hf:  # refuse a WORKDIR/hf we did not write now, not after training
+    hf.check_export_target(os.path.join(workdir, "hf"), overwrite=True)
+  runtime = train_config.runtime(cfg)
+  config, params, tok, mask_id = _model_and_tokenizer(cfg, runtime)
   summary: dict = {"stages": {}}
   stages = [("stage1", stage1_config(cfg)), ("stage2", cfg)] if cfg.stage1.enabled else [
       ("main", cfg)]
   models = {}
   for name, stage_cfg in stages:
     run_dir = workdir if name == "main" else os.path.join(workdir, name)
-    res = trainer.run_stage(stage_cfg, run_dir, config, params, tok, mask_id)
+    res = trainer.run_stage(stage_cfg, run_dir, config, runtime, params, tok, mask_id)
     params = res.params
     models[name] = params
     summary["stages"][name] = {"run_dir": run_dir, "wall_s": res.wall_s,
@@ -85,12 +88,22 @@ def run(cfg, workdir: str) -> dict:
       return summary
   if cfg.final_eval.num_problems > 0:
     gathered = {k: _host_params(v) for k, v in models.items()}
-    summary["final_eval"] = _final_eval(cfg, config, gathered, tok, mask_id)
+    summary["final_eval"] = _final_eval(cfg, config, runtime, gathered, tok, mask_id,
+                                        {k: summary["stages"][k]["run_dir"] for k in models})
   if cfg.train.export_hf:
     final = _host_params(params)  # every process joins the gather; process 0 writes
     out = os.path.join(workdir, "hf")
     if jax.process_index() == 0:
-      hf.save_pretrained(config, final, out, tokenizer=tok, dtype=cfg.train.export_dtype)
+      # overwrite: WORKDIR/hf is this run's own export (a rerun re-exports there); a
+      # directory there without the export marker is still refused, untouched.
+      hf.save_pretrained(config, final, out, tokenizer=tok, dtype=cfg.train.export_dtype,
+                         overwrite=True,
+                         source={"run_dir": workdir, "objective": {
+                             k: cfg.objective[k] for k in ("kind", "block_size")}})
+      # after the weights (save_pretrained replaces `out`): the data it trained on, which
+      # `python -m mars_jax.evaluate --model WORKDIR/hf` draws its problems with
+      synthetic.save_task_settings(out, _task_record(cfg, summary["stages"][stages[-1][0]][
+          "run_dir"]))
       print(f"exported the final weights to {out}", flush=True)
     summary["export"] = out
   return summary
@@ -103,15 +116,28 @@ def _host_params(params):
   return jax.device_get(params)
 
 
-def _final_eval(cfg, config, models, tok, mask_id) -> dict:
-  """Accuracy and tokens per forward of each stage's final params (AR, then MARS taus)."""
+def _task_record(cfg, run_dir: str) -> dict:
+  """The task record of a stage's run dir (written by the trainer before training; a
+  resumed run keeps the one it started with), else the config's data settings."""
+  return synthetic.load_task_settings(run_dir) or task_settings(cfg.data)
+
+
+def _final_eval(cfg, config, runtime, models, tok, mask_id, run_dirs) -> dict:
+  """Accuracy and tokens per forward of each stage's final params (AR, then MARS taus),
+  on the synthetic test split drawn with the settings its run dir's task.json records
+  (the run's data.synthetic): held-out problems of the distribution it trained on."""
   fe = cfg.final_eval
   window = fe.window or cfg.objective.block_size
-  problems = evaluate.load_problems("synthetic", fe.num_problems,
-                                    seed=cfg.data.synthetic.seed)
+  problem_sets: dict[tuple, list[dict]] = {}
   out = {}
   for name, params in models.items():
-    model = LoadedModel(config, params, tok, mask_id, eos_token_ids(tok, config))
+    task = _task_record(cfg, run_dirs[name])["synthetic"]
+    split = {k: task[k] for k in synthetic.SPLIT_DEFAULTS}
+    key = tuple(split.items())
+    if key not in problem_sets:
+      problem_sets[key] = evaluate.load_problems("synthetic", fe.num_problems, **split)
+    problems = problem_sets[key]
+    model = LoadedModel(config, runtime, params, tok, mask_id, eos_token_ids(tok, config))
     is_mars = name != "stage1"
     settings = [(1, 1.0)] + ([(window, t) for t in fe.taus] if is_mars else [])
     rows = []
@@ -122,6 +148,7 @@ def _final_eval(cfg, config, models, tok, mask_id) -> dict:
                    **{k: v for k, v in r.items() if k != "outputs"}})
     out[name] = rows
     if jax.process_index() == 0:
-      print(f"\n[{name}] held-out accuracy on {len(problems)} synthetic problems:")
+      print(f"\n[{name}] held-out accuracy on {len(problems)} synthetic problems ("
+            + ", ".join(f"{k} {v}" for k, v in split.items()) + "):")
       print(evaluate.format_table(rows), flush=True)
   return out

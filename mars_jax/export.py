@@ -3,27 +3,62 @@
 Writes a training checkpoint (from any number of processes) as a Hugging Face
 directory that `transformers.AutoModelForCausalLM` loads, with the run's tokenizer
 (which knows `<|mask|>`) when the run saved one.
+
+--out must be new or empty, or an earlier export by mars_jax with --overwrite; it
+may not be inside the run, nor contain it. A failed export leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from mars_jax import checkpoint, hf
+from mars_jax.data import synthetic
+
+
+def _within(path: str, root: str) -> bool:
+  return os.path.commonpath([path, root]) == root
+
+
+def check_out(out: str, run_dir: str) -> None:
+  """Raises `hf.ExportTargetError` when `out` is the run, inside it, or contains it."""
+  o, r = os.path.realpath(out), os.path.realpath(run_dir)
+  suggestion = os.path.join(os.path.dirname(r), os.path.basename(r) + "-hf")
+  if _within(o, r):
+    raise hf.ExportTargetError(
+        f"--out {out} is {'the run' if o == r else 'inside the run'} being exported "
+        f"({run_dir}); pass a directory outside the run, e.g. --out {suggestion}.")
+  if _within(r, o):
+    raise hf.ExportTargetError(
+        f"--out {out} contains the run being exported ({run_dir}); pass a directory "
+        f"outside the run, e.g. --out {suggestion}.")
 
 
 def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
-           max_shard_size: str = "5GB", progress: bool = True) -> str:
-  """Exports RUN_DIR (latest step) or RUN_DIR/STEP to `out`; returns `out`."""
-  config, params = checkpoint.load_params(checkpoint_path)
-  run_dir, _ = checkpoint.resolve_checkpoint(checkpoint_path)
+           max_shard_size: str = "5GB", progress: bool = True,
+           overwrite: bool = False) -> str:
+  """Exports RUN_DIR (latest step) or RUN_DIR/STEP to `out`; returns `out`.
+
+  Raises `hf.ExportTargetError` before loading anything when `out` is not a
+  directory an export may go to (see `check_out`, `hf.check_export_target`)."""
+  run_dir, step = checkpoint.resolve_checkpoint(checkpoint_path)
+  check_out(out, run_dir)
+  hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
+  layout = checkpoint.read_layout(run_dir)
+  config, _, params = checkpoint.load_params(checkpoint_path)
   tok_dir = checkpoint.tokenizer_dir(run_dir)
   tokenizer = None
   if os.path.isdir(tok_dir):
     tokenizer, _ = hf.load_tokenizer(tok_dir, config.vocab_size)
   hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
-                     max_shard_size=max_shard_size, progress=progress)
+                     max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
+                     source={"run_dir": run_dir, "step": step,
+                             "objective": layout.get("objective", {})})
+  task = synthetic.load_task_settings(run_dir)
+  if task is not None:   # after the weights (save_pretrained replaces `out`), for evaluate
+    synthetic.save_task_settings(out, task)
   return out
 
 
@@ -35,8 +70,17 @@ def main(argv=None) -> None:
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                  help="storage dtype of the exported weights (default: the run's)")
   p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace --out (the whole directory) when it holds an earlier "
+                      "export by mars_jax; a directory without its mars_jax_export.json "
+                      "is never replaced")
   args = p.parse_args(argv)
-  out = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+  try:
+    out = export(args.checkpoint, args.out, dtype=args.dtype,
+                 max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+  except hf.ExportTargetError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -20,7 +20,8 @@ import time
 from typing import Sequence
 
 from mars_jax import gates, sampling
-from mars_jax.loading import chat_prompt_ids, load_model
+from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
+from mars_jax.models.qwen2 import Runtime
 
 
 def read_prompts(path: str) -> list[list[dict]]:
@@ -69,12 +70,16 @@ def main(argv=None) -> None:
   p.add_argument("--metric", choices=gates.METRICS, default="probability")
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
-  p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                 help="weights of an HF directory (a run loads in its own dtype)")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                 help="weights and compute dtype (default: float32 for an HF directory, "
+                      "the run's own for a training run)")
   args = p.parse_args(argv)
 
   window = args.window if args.window == "auto" else int(args.window)
-  model = load_model(args.model, dtype=args.dtype)
+  runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
+  model = load_model(args.model, runtime=runtime)
+  if window != "auto":
+    warn_untrained_windows(args.model, [window])
   config, params, tokenizer = model.config, model.params, model.tokenizer
   if args.prompt is not None:
     chats = [([{"role": "system", "content": args.system}] if args.system else [])
@@ -90,7 +95,7 @@ def main(argv=None) -> None:
                             mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=args.tau,
                             window=window, mode=args.mode,
-                            metric=args.metric)
+                            metric=args.metric, runtime=model.runtime)
     for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
       print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "
             f"{len(toks) / fwd:.2f} tokens/forward")

@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mars_jax import safetensors_io as st
-from mars_jax.models.qwen2 import Qwen2Config
+from mars_jax.models.qwen2 import Qwen2Config, scan_layers_of
 
 MASK_TOKEN = "<|mask|>"
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+EXPORT_MARKER = "mars_jax_export.json"  # in every export: marks a directory as ours
+_MARKER_FORMAT = "mars_jax_export"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +104,8 @@ def _entries(config: Qwen2Config) -> list[_Entry]:
   return out
 
 
-def _tree_path(entry: _Entry, config: Qwen2Config, layer: int | None) -> tuple[str, ...]:
-  if layer is None or config.scan_layers:
+def _tree_path(entry: _Entry, scan_layers: bool, layer: int | None) -> tuple[str, ...]:
+  if layer is None or scan_layers:
     return entry.path
   return (f"layers_{layer}",) + entry.path[1:]
 
@@ -146,17 +148,19 @@ def _weight_files(path: str) -> dict[str, str]:
   return {name: single for name in st.SafetensorsFile(single).keys()}
 
 
-def load_pretrained(path: str, *, dtype=jnp.float32, **runtime) -> tuple[Qwen2Config, Any]:
+def load_pretrained(path: str, *, dtype=jnp.float32, scan_layers: bool = True
+                    ) -> tuple[Qwen2Config, Any]:
   """Loads a local HF Qwen2 directory -> (config, params).
 
-  Reads tensor by tensor from memory-mapped safetensors and casts on the way into
-  preallocated stacked arrays, so at most one parameter's host copy is alive next to
-  the device params. `runtime` overrides runtime config fields (attention_impl, ...).
+  `dtype`: the params' dtype (a `Runtime.param_dtype`); `scan_layers`: stacked
+  layers (`layers/...`) or unrolled (`layers_0..`), as the `Runtime` that will
+  compute them says. Reads tensor by tensor from memory-mapped safetensors and
+  casts on the way into preallocated stacked arrays, so at most one parameter's
+  host copy is alive next to the device params.
   """
   _check_dir(path)
   dtype_name = jnp.dtype(dtype).name
-  config = Qwen2Config.from_json_file(os.path.join(path, "config.json"),
-                                      param_dtype=dtype_name, **runtime)
+  config = Qwen2Config.from_json_file(os.path.join(path, "config.json"))
   files = _weight_files(path)
   opened: dict[str, st.SafetensorsFile] = {}
   np_dt = st.np_dtype(dtype_name)
@@ -187,12 +191,12 @@ def load_pretrained(path: str, *, dtype=jnp.float32, **runtime) -> tuple[Qwen2Co
                          f"config.json implies {e.hf_shape(config)}; the weights and "
                          "config.json disagree.")
       w = e.to_ours(w, config).astype(np_dt)
-      if layer is not None and config.scan_layers:
+      if layer is not None and scan_layers:
         if stacked is None:
           stacked = np.empty((config.num_hidden_layers,) + w.shape, np_dt)
         stacked[layer] = w
       else:
-        _set(params, _tree_path(e, config, layer), jnp.asarray(w))
+        _set(params, _tree_path(e, scan_layers, layer), jnp.asarray(w))
     if stacked is not None:
       _set(params, e.path, jnp.asarray(stacked))
       del stacked
@@ -210,12 +214,13 @@ def load_pretrained(path: str, *, dtype=jnp.float32, **runtime) -> tuple[Qwen2Co
 
 
 def _hf_tensors(config: Qwen2Config, params, np_dt):
-  """Yields (hf_name, host array) one tensor at a time."""
+  """Yields (hf_name, host array) one tensor at a time (stacked or unrolled params)."""
+  scan_layers = scan_layers_of(params)
   for e in _entries(config):
     layers = range(config.num_hidden_layers) if e.per_layer else [None]
     for layer in layers:
-      leaf = _get(params, _tree_path(e, config, layer))
-      if layer is not None and config.scan_layers:
+      leaf = _get(params, _tree_path(e, scan_layers, layer))
+      if layer is not None and scan_layers:
         leaf = leaf[layer]
       yield e.hf.format(i=layer), e.to_hf(np.asarray(jax.device_get(leaf)), config).astype(np_dt)
 
@@ -242,15 +247,23 @@ def _parse_size(size: int | str) -> int:
 
 def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
                     max_shard_size: int | str = "5GB", dtype: str | None = None,
-                    progress: bool = False) -> None:
+                    progress: bool = False, overwrite: bool = False,
+                    source: dict | None = None) -> None:
   """Writes an HF directory loadable by `Qwen2ForCausalLM.from_pretrained`.
+
+  `path` must be new, an empty directory, or (with `overwrite=True`) an earlier
+  mars_jax export: every export holds `EXPORT_MARKER` (what was exported: dtype,
+  files, and `source`, e.g. the run and its objective), and a directory without it
+  is never deleted (see `check_export_target`). The old export is replaced only
+  once the new one is complete.
 
   Shards of at most `max_shard_size` bytes (plus an index) or one `model.safetensors`;
   config.json, generation_config.json, and the tokenizer files when given. Tied
-  embeddings write no `lm_head.weight`. Written to a temporary sibling directory and
+  embeddings write no `lm_head.weight`. `dtype`: storage dtype of the written weights
+  (default: the params'). Written to a temporary sibling directory and
   renamed into place, so an interrupted export never leaves a half-written `path`.
   """
-  dtype = dtype or config.param_dtype
+  dtype = dtype or jnp.dtype(params["embedding"].dtype).name
   np_dt = st.np_dtype(dtype)
   limit = _parse_size(max_shard_size)
   sizes = _tensor_bytes(config, np_dt.itemsize)
@@ -262,6 +275,8 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
       used = 0
     shards[-1].append(name)
     used += n
+  path = os.path.realpath(path)
+  check_export_target(path, overwrite=overwrite)  # before the long write
   parent = os.path.dirname(os.path.abspath(path)) or "."
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
@@ -291,12 +306,78 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
           "eos_token_id"], "do_sample": False}, f, indent=2)
     if tokenizer is not None:
       tokenizer.save_pretrained(tmp)
-    if os.path.exists(path):
-      shutil.rmtree(path)
-    os.rename(tmp, path)
+    _write_marker(tmp, dtype=dtype, source=source)
+    _move_into_place(tmp, path, overwrite=overwrite)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+
+
+class ExportTargetError(ValueError):
+  """An export destination mars_jax refuses to write (it would delete or mix with
+  files it did not write)."""
+
+
+def read_export_marker(path: str) -> dict | None:
+  """The `EXPORT_MARKER` record of a mars_jax export directory, or None."""
+  try:
+    with open(os.path.join(path, EXPORT_MARKER)) as f:
+      marker = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return marker if isinstance(marker, dict) and marker.get("format") == _MARKER_FORMAT else None
+
+
+def check_export_target(path: str, *, overwrite: bool = False) -> None:
+  """Raises `ExportTargetError` unless an export may be written to `path`: it does not
+  exist, is an empty directory, or is an earlier mars_jax export (it holds
+  `EXPORT_MARKER`) and `overwrite` is set; an overwrite replaces that whole directory."""
+  if not os.path.lexists(path):
+    return
+  if not os.path.isdir(path):
+    raise ExportTargetError(f"{path}: exists and is not a directory; pass another --out.")
+  if not os.listdir(path):
+    return
+  marker = read_export_marker(path)
+  if marker is None:
+    raise ExportTargetError(
+        f"{path}: not empty and not a mars_jax export (no {EXPORT_MARKER}); mars_jax never "
+        "deletes what it did not write. Pass a new or empty --out directory, or move the "
+        "directory away yourself.")
+  if not overwrite:
+    raise ExportTargetError(
+        f"{path}: holds an earlier mars_jax export; pass --overwrite (overwrite=True) to "
+        "replace it, or another --out.")
+
+
+def _write_marker(tmp: str, *, dtype: str, source: dict | None) -> None:
+  record = {"format": _MARKER_FORMAT, "version": 1, "dtype": dtype,
+            "files": sorted(os.listdir(tmp)), "source": source or {}}
+  with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+    json.dump(record, f, indent=2, sort_keys=True)
+
+
+def _move_into_place(tmp: str, path: str, *, overwrite: bool) -> None:
+  """Renames the complete export `tmp` to `path`; an earlier export there (checked
+  again: it may have changed during the write) is set aside first and deleted last."""
+  check_export_target(path, overwrite=overwrite)
+  if not os.path.lexists(path):
+    os.rename(tmp, path)
+    return
+  if not os.listdir(path):
+    os.rmdir(path)
+    os.rename(tmp, path)
+    return
+  old = tempfile.mkdtemp(prefix=".old-export-", dir=os.path.dirname(path))
+  aside = os.path.join(old, "export")
+  os.rename(path, aside)
+  try:
+    os.rename(tmp, path)
+  except BaseException:
+    os.rename(aside, path)
+    os.rmdir(old)
+    raise
+  shutil.rmtree(old)
 
 
 def _progress(total: int, enabled: bool):

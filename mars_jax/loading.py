@@ -1,25 +1,30 @@
 """Load a model for inference from an HF directory or a training run (checkpoint).
 
-  load_model(path) -> LoadedModel(config, params, tokenizer, mask_token_id, eos_token_ids)
+  load_model(path, runtime=None) -> LoadedModel(config, runtime, params, tokenizer,
+                                               mask_token_id, eos_token_ids)
 
 `path` is an HF directory (config.json + safetensors + tokenizer files), a run
-directory (its latest checkpoint), or RUN_DIR/<step>.
+directory (its latest checkpoint), or RUN_DIR/<step>. The params come in the
+layout of `runtime` (default: float32 for an HF directory, the run's own runtime
+for a run), which the model is then computed with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from mars_jax import checkpoint, hf
-from mars_jax.models.qwen2 import Qwen2Config
+from mars_jax.models.qwen2 import Qwen2Config, Runtime
 
 
 @dataclasses.dataclass
 class LoadedModel:
   config: Qwen2Config
+  runtime: Runtime
   params: Any
   tokenizer: Any
   mask_token_id: int
@@ -42,21 +47,21 @@ def eos_token_ids(tokenizer, config: Qwen2Config, model_dir: str | None = None
   return tuple(dict.fromkeys(i for i in ids if i is not None and i < config.vocab_size))
 
 
-def load_model(path: str, *, dtype: str = "float32", **runtime) -> LoadedModel:
-  """Config, params and tokenizer (with `<|mask|>`) from an HF dir or a training run.
-
-  `dtype` is the parameter dtype of an HF directory (a run loads in its own)."""
+def load_model(path: str, *, runtime: Runtime | None = None) -> LoadedModel:
+  """Config, runtime, params and tokenizer (with `<|mask|>`) from an HF dir or a run."""
   if os.path.isfile(os.path.join(path, "config.json")):
-    config, params = hf.load_pretrained(path, dtype=dtype, **runtime)
+    runtime = runtime or Runtime()
+    config, params = hf.load_pretrained(path, dtype=runtime.param_dtype,
+                                        scan_layers=runtime.scan_layers)
     tok_dir = path
   else:
-    config, params = checkpoint.load_params(path, **runtime)
+    config, runtime, params = checkpoint.load_params(path, runtime=runtime)
     tok_dir = checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0])
     if not os.path.isdir(tok_dir):
       raise FileNotFoundError(f"{tok_dir}: the run saved no tokenizer; export it with a "
                               "tokenizer or pass an HF directory.")
   tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
-  return LoadedModel(config, params, tokenizer, mask_id,
+  return LoadedModel(config, runtime, params, tokenizer, mask_id,
                      eos_token_ids(tokenizer, config, tok_dir))
 
 
@@ -64,3 +69,33 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
   """A chat (role/content turns) in the tokenizer's template plus the assistant header."""
   return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"])
+
+
+def trained_block_size(path: str) -> int | None:
+  """The MARS block size B the model at `path` was trained with: the objective in a
+  run's layout.json, or in the marker of an HF directory mars_jax exported. None when
+  there is no record, or the model is not a MARS run."""
+  try:
+    if os.path.isfile(os.path.join(path, "config.json")):
+      objective = (hf.read_export_marker(path) or {}).get("source", {}).get("objective")
+    else:
+      objective = checkpoint.read_layout(checkpoint.resolve_checkpoint(path)[0]).get(
+          "objective")
+  except (OSError, ValueError, AttributeError):
+    return None
+  if not isinstance(objective, dict) or objective.get("kind") != "mars":
+    return None
+  block = objective.get("block_size")
+  return block if isinstance(block, int) else None
+
+
+def warn_untrained_windows(path: str, windows: Sequence[int]) -> None:
+  """Logs a warning when a window exceeds B + 1 of the MARS run at `path` (B known)."""
+  block = trained_block_size(path)
+  over = sorted({w for w in windows if block is not None and w > block + 1})
+  if over:
+    logging.getLogger(__name__).warning(
+        "window %s > block size + 1 = %d: %s was trained with MARS block size B=%d, so "
+        "proposals past the first B+1 were never trained (expect fewer accepted tokens "
+        "per forward); use a window <= %d.", ",".join(map(str, over)), block + 1, path,
+        block, block + 1)

@@ -5,7 +5,7 @@ A batch is `{"tokens": int32[b, L], "loss_mask": bool[b, L]}` plus optionally
 `"positions": int32[b, L]` (RoPE positions; default: per-segment positions when
 segments are given, else 0..L-1). The output at position p predicts
 `tokens[p+1]` and counts where `loss_mask[p+1]` (within one segment), in both
-streams (DESIGN.md §1).
+streams (docs/design.md).
 
 Losses are computed as sums (`objective_sums`) and normalised once at the end
 (`finalize`), so that micro-batch accumulation and data parallelism give exactly
@@ -28,14 +28,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mars_jax import masks
 from mars_jax.models import qwen2
+from mars_jax.models.qwen2 import Runtime
 
 Array = jax.Array
 Batch = dict[str, Array]
 KINDS = ("mars", "ar_sft")
 NORMALIZATIONS = ("sequence", "token")
+_DEFAULT_RUNTIME = Runtime()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +176,8 @@ def _cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
 
 
 def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
-                        labels: Array, *, chunk_size: int | None) -> tuple[Array, Array]:
+                        labels: Array, *, chunk_size: int | None,
+                        runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Array, Array]:
   """Per-position CE and top-1 correctness of the unembedded hidden states.
 
   hidden: [b, t, embed] (final-normed); labels: int32[b, t]
@@ -184,7 +188,7 @@ def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
   """
   head = {k: params[k] for k in ("embedding", "lm_head") if k in params}
   if chunk_size is None:
-    return _cross_entropy(qwen2.unembed(config, head, hidden), labels)
+    return _cross_entropy(qwen2.unembed(config, head, hidden, runtime=runtime), labels)
   b, t, e = hidden.shape
   c = min(chunk_size, t)
   n = -(-t // c)
@@ -194,7 +198,7 @@ def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
 
   @jax.checkpoint
   def chunk(head, h, y):
-    return _cross_entropy(qwen2.unembed(config, head, h), y)
+    return _cross_entropy(qwen2.unembed(config, head, h, runtime=runtime), y)
 
   _, (ce, correct) = jax.lax.scan(lambda _, xs: (None, chunk(head, *xs)), None, (hs, ys))
   unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * c)[:, :t]
@@ -204,10 +208,21 @@ def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
 # ---- objectives as sums -----------------------------------------------------------
 
 
+def check_mask_token_id(config: qwen2.Qwen2Config, mask_token_id) -> None:
+  """Raises ValueError when a static mask id is not a row of the embedding (a traced
+  id is not checked)."""
+  if isinstance(mask_token_id, (int, np.integer)) and not (
+      0 <= mask_token_id < config.vocab_size):
+    raise ValueError(
+        f"mask_token_id={int(mask_token_id)} is outside the model's vocabulary "
+        f"[0, {config.vocab_size}); use the id hf.load_tokenizer returns for <|mask|> "
+        "(it takes a spare embedding row), or resize the embeddings.")
+
+
 def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
-              normalization: str = "sequence", chunk_size: int | None = 256
-              ) -> dict[str, Array]:
+              normalization: str = "sequence", chunk_size: int | None = 256,
+              runtime: Runtime = _DEFAULT_RUNTIME) -> dict[str, Array]:
   """Unnormalised MARS loss and metric sums of one batch (see `finalize`).
 
   One forward pass over [clean | noisy] (2L positions). Sums: loss, ce_ar, ce_mask,
@@ -215,12 +230,15 @@ def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
   (noisy-stream outputs at in-block offset 1..B: slot j of a block, whose target is
   j+1 tokens past the last clean token it sees).
   """
+  check_mask_token_id(config, mask_token_id)
   f = prepare(batch)
   length = f["tokens"].shape[1]
   tokens, positions, attn_mask = _two_stream(f, block_size, mask_token_id, intra_block)
-  hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask)
+  hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask,
+                                runtime=runtime)
   labels = jnp.concatenate([f["labels"], f["labels"]], axis=1)
-  ce, correct = token_cross_entropy(config, params, hidden, labels, chunk_size=chunk_size)
+  ce, correct = token_cross_entropy(config, params, hidden, labels, chunk_size=chunk_size,
+                                    runtime=runtime)
   weights, denom = sequence_weights(f["target"], f["segment_ids"], normalization)
   target = f["target"].astype(jnp.float32)
   ce_ar = jnp.sum(weights * ce[:, :length])
@@ -234,15 +252,16 @@ def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
 
 
 def ar_sft_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
-                normalization: str = "sequence", chunk_size: int | None = 256
-                ) -> dict[str, Array]:
+                normalization: str = "sequence", chunk_size: int | None = 256,
+                runtime: Runtime = _DEFAULT_RUNTIME) -> dict[str, Array]:
   """Unnormalised AR-SFT sums (plain causal pass over L): loss, ce_ar, denom, targets,
   correct_ar: float32[]."""
   f = prepare(batch)
   attn_mask = masks.segment_causal_mask(f["segment_ids"])
-  hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask)
+  hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,
+                                runtime=runtime)
   ce, correct = token_cross_entropy(config, params, hidden, f["labels"],
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, runtime=runtime)
   weights, denom = sequence_weights(f["target"], f["segment_ids"], normalization)
   target = f["target"].astype(jnp.float32)
   ce_ar = jnp.sum(weights * ce)
@@ -251,15 +270,17 @@ def ar_sft_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
 
 
 def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
-                   objective: ObjectiveConfig) -> dict[str, Array]:
+                   objective: ObjectiveConfig, *, runtime: Runtime = _DEFAULT_RUNTIME
+                   ) -> dict[str, Array]:
   """`mars_sums` or `ar_sft_sums` as `objective.kind` says."""
   if objective.kind == "ar_sft":
     return ar_sft_sums(config, params, batch, normalization=objective.normalization,
-                       chunk_size=objective.chunk_size)
+                       chunk_size=objective.chunk_size, runtime=runtime)
   return mars_sums(config, params, batch, block_size=objective.block_size,
                    mask_token_id=objective.mask_token_id, ar_weight=objective.ar_weight,
                    intra_block=objective.intra_block,
-                   normalization=objective.normalization, chunk_size=objective.chunk_size)
+                   normalization=objective.normalization, chunk_size=objective.chunk_size,
+                   runtime=runtime)
 
 
 def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
@@ -286,9 +307,9 @@ def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
 
 def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
-              normalization: str = "sequence", chunk_size: int | None = 256
-              ) -> tuple[Array, dict[str, Array]]:
-  """L = CE_mask + ar_weight * CE_AR from one two-stream pass (DESIGN.md §1).
+              normalization: str = "sequence", chunk_size: int | None = 256,
+              runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
+  """L = CE_mask + ar_weight * CE_AR from one two-stream pass (docs/design.md).
 
   batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
   "positions": int32[b, L]). -> (loss: float32[], metrics: see `finalize`).
@@ -296,12 +317,12 @@ def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
   return finalize(mars_sums(config, params, batch, block_size=block_size,
                             mask_token_id=mask_token_id, ar_weight=ar_weight,
                             intra_block=intra_block, normalization=normalization,
-                            chunk_size=chunk_size))
+                            chunk_size=chunk_size, runtime=runtime))
 
 
 def ar_sft_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
-                normalization: str = "sequence", chunk_size: int | None = 256
-                ) -> tuple[Array, dict[str, Array]]:
+                normalization: str = "sequence", chunk_size: int | None = 256,
+                runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """Stage-1 AR SFT: causal CE on response tokens only. -> (loss, metrics)."""
   return finalize(ar_sft_sums(config, params, batch, normalization=normalization,
-                              chunk_size=chunk_size))
+                              chunk_size=chunk_size, runtime=runtime))

@@ -77,7 +77,7 @@ from flax import struct
 
 from mars_jax import gates
 from mars_jax.models import qwen2
-from mars_jax.models.qwen2 import Qwen2Config
+from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, Measure, WindowPolicy
 
 Policy = WindowPolicy | FixedWindow
@@ -86,6 +86,7 @@ Array = jax.Array
 
 MIN_PROMPT_BUCKET = 8
 EOS_BUCKET = 8
+_DEFAULT_RUNTIME = Runtime()
 MODES = ("gated", "lossless")
 
 
@@ -145,13 +146,14 @@ class GenerateResult:
     return sum(self.num_tokens) / max(sum(self.num_forwards), 1)
 
 
-def _hidden(config: Qwen2Config, params, tokens, positions, cache, write_index, attn_mask):
+def _hidden(config: Qwen2Config, runtime: Runtime, params, tokens, positions, cache,
+            write_index, attn_mask):
   """Cached forward up to the final norm: -> (hidden [b, t, embed], updated cache)."""
-  return qwen2.Qwen2ForCausalLM(config).apply(
+  return qwen2.Qwen2ForCausalLM(config, runtime).apply(
       {"params": params}, tokens, positions, attn_mask, cache, write_index, method="hidden")
 
 
-def _advance(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
+def _advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, eos_ids: Array,
              mask_token_id: Array, *, real_slots: int, window: int, mode: str) -> DecodeState:
   """One forward over `real_slots` pending-token slots plus `window-1` MASK slots.
 
@@ -184,7 +186,8 @@ def _advance(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
   write = jnp.concatenate([jnp.where(real, real_pos, s),
                            jnp.where(proposing[:, None], mask_pos, s)], axis=1)
   attn_mask = jnp.arange(s)[None, None] <= positions[..., None]
-  hidden, cache = _hidden(config, params, tokens, positions, state.cache, write, attn_mask)
+  hidden, cache = _hidden(config, runtime, params, tokens, positions, state.cache, write,
+                          attn_mask)
 
   last = jnp.maximum(pend - 1, 0)[:, None]  # slot of the last verified token
   real_out = last + jnp.arange(w if mode == "lossless" else 1)[None]
@@ -192,7 +195,8 @@ def _advance(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
                              jnp.broadcast_to(real_slots + jnp.arange(w - 1), (b, w - 1))],
                             axis=1)
   logits = qwen2.unembed(config, params,
-                         jnp.take_along_axis(hidden, out_idx[..., None], axis=1))
+                         jnp.take_along_axis(hidden, out_idx[..., None], axis=1),
+                         runtime=runtime)
   remaining = jnp.where(proposing, state.limit - n, 0)
   k = jnp.arange(w)[None]
   if mode == "lossless":
@@ -224,13 +228,14 @@ def _advance(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
       steps=state.steps + 1)
 
 
-def new_state(config: Qwen2Config, batch: int, cache_len: int) -> DecodeState:
+def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
+              runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
   """An empty state: `batch` padding rows (done), a zeroed cache of `cache_len` slots."""
   def zeros():  # one buffer per field: `insert` and `run_steps` donate the state
     return jnp.zeros((batch,), jnp.int32)
   return DecodeState(
       seq=jnp.zeros((batch, cache_len), jnp.int32),
-      cache=qwen2.init_cache(config, batch, cache_len),
+      cache=qwen2.init_cache(config, batch, cache_len, runtime=runtime),
       cursor=zeros(), length=zeros(), draft=zeros(), prompt_len=zeros(), limit=zeros(),
       tau=jnp.ones((batch,), jnp.float32), metric=zeros(),
       done=jnp.ones((batch,), bool), forwards=zeros(), steps=jnp.zeros((), jnp.int32))
@@ -273,11 +278,12 @@ def regroup(state: DecodeState, rows: Array) -> DecodeState:
                        cache=jax.tree.map(lambda a: a[:, idx], state.cache))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "window", "real_slots", "mode"),
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "real_slots", "mode"),
                    donate_argnames=("state",))
 def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
               mask_token_id: Array, max_steps: Array, stop_on_finish: Array, *,
-              window: int, real_slots: int, mode: str) -> DecodeState:
+              window: int, real_slots: int, mode: str,
+              runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
   """Decoding steps on `state` until every row is done, `max_steps` forwards ran,
   or (stop_on_finish) some row finished; each step feeds up to `real_slots`
   pending tokens per row (after `insert`, a wide first call prefills).
@@ -291,26 +297,28 @@ def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
     finished = jnp.any(st.done & ~done0)
     return jnp.any(~st.done) & (st.steps - steps0 < max_steps) & ~(stop_on_finish & finished)
 
-  step = functools.partial(_advance, config, params, eos_ids=eos_ids,
+  step = functools.partial(_advance, config, runtime, params, eos_ids=eos_ids,
                            mask_token_id=mask_token_id, real_slots=real_slots,
                            window=window, mode=mode)
   return jax.lax.while_loop(cond, step, state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "cache_len"))
 def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens: Array,
-          tau: Array, metric: Array, *, cache_len: int) -> DecodeState:
+          tau: Array, metric: Array, *, cache_len: int,
+          runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
   """A state of b = len(prompt) rows starting the prompts (arguments as `insert`;
   rows with max_new_tokens 0 are padding), nothing run yet."""
   b = prompt.shape[0]
-  return insert(new_state(config, b, cache_len), jnp.arange(b), prompt, prompt_len,
-                max_new_tokens, tau, metric)
+  return insert(new_state(config, b, cache_len, runtime=runtime), jnp.arange(b), prompt,
+                prompt_len, max_new_tokens, tau, metric)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "window", "mode", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
-           mask_token_id: Array, *, window: int, mode: str, cache_len: int) -> DecodeState:
+           mask_token_id: Array, *, window: int, mode: str, cache_len: int,
+           runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
   """Prefill, then the decoding loop until every sample is done.
 
   prompt: int32[b, P] right-padded; prompt_len: int32[b] (>= 1);
@@ -320,8 +328,9 @@ def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
   cache_len: S >= max(prompt_len + max_new_tokens) + window - 1.
   -> the final `DecodeState`; sample i generated seq[i, prompt_len[i]:length[i]].
   """
-  state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len)
-  step = functools.partial(_advance, config, params, eos_ids=eos_ids,
+  state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len,
+                runtime=runtime)
+  step = functools.partial(_advance, config, runtime, params, eos_ids=eos_ids,
                            mask_token_id=mask_token_id, window=window, mode=mode)
   state = step(state, real_slots=prompt.shape[1])
   return jax.lax.while_loop(lambda st: jnp.any(~st.done),
@@ -362,13 +371,36 @@ def check_args(config: Qwen2Config, *, window: int, mode: str, mask_token_id: in
                      f"(vocab_size {config.vocab_size}); use hf.load_tokenizer's id.")
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens) -> np.ndarray:
-  """-> the per-prompt budgets int32[len(prompts)]; raises on empty prompts or budgets."""
+def check_prompt_ids(config: Qwen2Config, prompts: Sequence[Sequence[int]]) -> None:
+  """Raises ValueError when a prompt holds a token id outside [0, vocab_size)."""
+  for i, p in enumerate(prompts):
+    ids = np.asarray(p)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"prompt {i}: token ids must be integers, got {ids.dtype}.")
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+      raise ValueError(
+          f"prompt {i}: token id {int(bad[0])} is outside the vocabulary [0, "
+          f"{config.vocab_size}); encode prompts with the model's own tokenizer.")
+
+
+def _check_prompts(config: Qwen2Config, prompts: Sequence[Sequence[int]], max_new_tokens
+                   ) -> np.ndarray:
+  """-> the per-prompt budgets int32[len(prompts)]; raises on empty prompts or budgets,
+  token ids outside the vocabulary, and sequences longer than the model's positions."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("prompts must be a non-empty list of non-empty token lists.")
   budget = per_prompt(max_new_tokens, len(prompts), "max_new_tokens", np.int32)
   if np.any(budget < 1):
     raise ValueError(f"max_new_tokens={budget.tolist()}; it must be >= 1.")
+  check_prompt_ids(config, prompts)
+  total = np.asarray([len(p) for p in prompts]) + budget
+  i = int(np.argmax(total))
+  if total[i] > config.max_position_embeddings:
+    raise ValueError(
+        f"prompt {i}: {len(prompts[i])} prompt tokens + max_new_tokens {int(budget[i])} = "
+        f"{int(total[i])} exceeds the model's max_position_embeddings "
+        f"({config.max_position_embeddings}); lower max_new_tokens or shorten the prompt.")
   return budget
 
 
@@ -387,11 +419,11 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
                  max_new_tokens: int | Sequence[int], mask_token_id: int,
                  eos_token_ids: int | Sequence[int], tau: float | Sequence[float] = 1.0,
                  window: int = 1, metric: str | Sequence[str] = "probability",
-                 mode: str = "gated") -> DecodeState:
+                 mode: str = "gated", runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
   """Buckets `prompts` and runs `decode`; returns the final state (rows past
   len(prompts) are padding). Arguments as `generate`."""
   n = len(prompts)
-  budget = _check_prompts(prompts, max_new_tokens)
+  budget = _check_prompts(config, prompts, max_new_tokens)
   check_args(config, window=window, mode=mode, mask_token_id=mask_token_id)
   b = pow2(n)
   prompt, lens = _prompt_array(prompts, b)
@@ -400,7 +432,8 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
   return decode(config, params, prompt, lens, pad(budget),
                 pad(per_prompt(tau, n, "tau", np.float32), constant_values=1.0),
                 pad(gates.metric_ids(metric, n)), eos_array(eos_token_ids),
-                np.int32(mask_token_id), window=window, mode=mode, cache_len=cache_len)
+                np.int32(mask_token_id), window=window, mode=mode, cache_len=cache_len,
+                runtime=runtime)
 
 
 def results(state: DecodeState, n: int, windows: dict[int, int] | None = None
@@ -414,7 +447,8 @@ def results(state: DecodeState, n: int, windows: dict[int, int] | None = None
 
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
-                 mode: str, mask_token_id: int, steps: int = 32, repeats: int = 5) -> float:
+                 mode: str, mask_token_id: int, steps: int = 32, repeats: int = 5,
+                 runtime: Runtime = _DEFAULT_RUNTIME) -> float:
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode): `batch` rows decoding from a one-token prompt (tau 1), best of
   `repeats` runs of `steps` steps after one that compiles."""
@@ -422,23 +456,24 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   best = float("inf")
   for _ in range(repeats + 1):
     state = start(config, ones[:, None], ones, np.full((batch,), cache_len - window, np.int32),
-                  ones.astype(np.float32), 0 * ones, cache_len=cache_len)
+                  ones.astype(np.float32), 0 * ones, cache_len=cache_len, runtime=runtime)
     jax.block_until_ready(state)
     begin = time.perf_counter()
     state = run_steps(config, params, state, eos_array(()), np.int32(mask_token_id),
                       np.int32(steps), np.bool_(False), window=window, real_slots=window,
-                      mode=mode)
+                      mode=mode, runtime=runtime)
     ran = int(state.steps)
     best = min(best, (time.perf_counter() - begin) / max(ran, 1))
   return best
 
 
-def measure_fn(config: Qwen2Config, params, *, mode: str, mask_token_id: int) -> Measure:
+def measure_fn(config: Qwen2Config, params, *, mode: str, mask_token_id: int,
+               runtime: Runtime = _DEFAULT_RUNTIME) -> Measure:
   """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
   it round-robin over the windows), for `WindowPolicy.choose`."""
   def measure(batch: int, cache_len: int, window: int) -> float:
     return step_seconds(config, params, batch=batch, cache_len=cache_len, window=window,
-                        mode=mode, mask_token_id=mask_token_id, repeats=1)
+                        mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime)
   return measure
 
 
@@ -459,7 +494,8 @@ def progress(state: DecodeState) -> Progress:
 def segment(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
             eos_ids: np.ndarray, mask_token_id: int, mode: str, measure: Measure | None,
             before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
-            stop_on_finish: bool = False) -> tuple[DecodeState, int, Progress]:
+            stop_on_finish: bool = False, runtime: Runtime = _DEFAULT_RUNTIME
+            ) -> tuple[DecodeState, int, Progress]:
   """One policy decision: W for the state's batch, then `policy.segment_steps` steps
   (the first `wide_steps` of them `real_slots` wide when that exceeds W, to prefill
   new rows), and the acceptance seen reported to the policy.
@@ -469,7 +505,8 @@ def segment(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
   before = before or progress(state)
   window = policy.choose(b, cache_len, int(np.sum(~before.done)), measure)
   call = functools.partial(run_steps, config, params, eos_ids=eos_ids,
-                           mask_token_id=np.int32(mask_token_id), window=window, mode=mode)
+                           mask_token_id=np.int32(mask_token_id), window=window, mode=mode,
+                           runtime=runtime)
   steps = policy.segment_steps
   if real_slots > window:
     state = call(state=state, max_steps=np.int32(wide_steps), stop_on_finish=np.bool_(False),
@@ -485,7 +522,7 @@ def segment(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
 
 
 def _generate_policy(config, params, prompts, policy: Policy, *, budget, tau, metric,
-                     mask_token_id, eos_token_ids, mode) -> GenerateResult:
+                     mask_token_id, eos_token_ids, mode, runtime) -> GenerateResult:
   """`generate` with the window chosen by `policy` before every segment of steps.
 
   The prefill runs first, at a window that does not depend on the policy's choice
@@ -499,20 +536,21 @@ def _generate_policy(config, params, prompts, policy: Policy, *, budget, tau, me
   pad = functools.partial(np.pad, pad_width=(0, b - n))
   state = start(config, prompt, lens, pad(budget),
                 pad(per_prompt(tau, n, "tau", np.float32), constant_values=1.0),
-                pad(gates.metric_ids(metric, n)), cache_len=cache_len)
+                pad(gates.metric_ids(metric, n)), cache_len=cache_len, runtime=runtime)
   eos_ids = eos_array(eos_token_ids)
   prefill_window = max(policy.windows) if mode == "lossless" else 1
   state = run_steps(config, params, state, eos_ids, np.int32(mask_token_id), np.int32(1),
                     np.bool_(False), window=prefill_window, real_slots=prompt.shape[1],
-                    mode=mode)
-  measure = measure_fn(config, params, mode=mode, mask_token_id=mask_token_id)
+                    mode=mode, runtime=runtime)
+  measure = measure_fn(config, params, mode=mode, mask_token_id=mask_token_id,
+                       runtime=runtime)
   used = {prefill_window: 1}
   now = progress(state)
   while not np.all(now.done[:n]):
     steps0 = now.steps
     state, window, now = segment(config, params, state, policy, eos_ids=eos_ids,
                                  mask_token_id=mask_token_id, mode=mode, measure=measure,
-                                 before=now)
+                                 before=now, runtime=runtime)
     used[window] = used.get(window, 0) + now.steps - steps0
   return results(state, n, used)
 
@@ -521,7 +559,8 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
              max_new_tokens: int | Sequence[int], mask_token_id: int,
              eos_token_ids: int | Sequence[int], tau: float | Sequence[float] = 1.0,
              window: int | str = 1, metric: str | Sequence[str] = "probability",
-             mode: str = "gated", policy: WindowPolicy | None = None) -> GenerateResult:
+             mode: str = "gated", policy: WindowPolicy | None = None,
+             runtime: Runtime = _DEFAULT_RUNTIME) -> GenerateResult:
   """Greedy AR (window=1), MARS, or lossless MARS decoding of a ragged batch of prompts.
 
   prompts: token id lists (any lengths); max_new_tokens: per-sample budget (one,
@@ -533,18 +572,19 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   mode: "gated" (MASK proposals committed while their gate holds) or "lossless"
   (drafts verified by the next forward; tau and metric unused).
   window=1, tau >= 1 with the probability or margin gate, or mode="lossless" is
-  greedy AR token for token.
+  greedy AR token for token. runtime: how the params are computed (their layout
+  and compute dtype; `LoadedModel.runtime` for a loaded model).
   """
   if window == "auto" or policy is not None:
-    budget = _check_prompts(prompts, max_new_tokens)
+    budget = _check_prompts(config, prompts, max_new_tokens)
     policy = policy or WindowPolicy()
     check_args(config, window=max(policy.windows), mode=mode, mask_token_id=mask_token_id)
     return _generate_policy(config, params, prompts, policy, budget=budget, tau=tau,
                             metric=metric, mask_token_id=mask_token_id,
-                            eos_token_ids=eos_token_ids, mode=mode)
+                            eos_token_ids=eos_token_ids, mode=mode, runtime=runtime)
   if not isinstance(window, (int, np.integer)):
     raise ValueError(f"window={window!r}; expected an int >= 1 or 'auto'.")
   state = decode_batch(config, params, prompts, max_new_tokens=max_new_tokens,
                        mask_token_id=mask_token_id, eos_token_ids=eos_token_ids, tau=tau,
-                       window=window, metric=metric, mode=mode)
+                       window=window, metric=metric, mode=mode, runtime=runtime)
   return results(state, len(prompts), {window: int(state.steps)})

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from mars_jax import gates, sampling
-from mars_jax.models.qwen2 import Qwen2Config
+from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, WindowPolicy
 
 
@@ -94,7 +94,7 @@ class Server:
                min_batch_size: int | None = None, max_len: int = 512,
                window: int | WindowPolicy | FixedWindow = 1, mode: str = "gated", tau: float = 1.0,
                metric: str = "probability", prefill_chunk: int = 64,
-               segment_steps: int = 8):
+               segment_steps: int = 8, runtime: Runtime = Runtime()):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, segment_steps=segment_steps))
     sampling.check_args(config, window=max(self.policy.windows), mode=mode,
@@ -104,13 +104,13 @@ class Server:
     self.min_batch = min(sampling.pow2(min_batch_size or batch_size), self.max_batch)
     if prefill_chunk < max(self.policy.windows):
       raise ValueError(f"prefill_chunk={prefill_chunk} is below the largest window.")
-    self.config, self.params, self.mode = config, params, mode
+    self.config, self.runtime, self.params, self.mode = config, runtime, params, mode
     self.mask_token_id, self.tau, self.metric = mask_token_id, tau, metric
     self.eos_ids = sampling.eos_array(eos_token_ids)
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
     self.measure = sampling.measure_fn(config, params, mode=mode,
-                                       mask_token_id=mask_token_id)
-    self.state = sampling.new_state(config, self.min_batch, max_len)
+                                       mask_token_id=mask_token_id, runtime=runtime)
+    self.state = sampling.new_state(config, self.min_batch, max_len, runtime=runtime)
     self.slots: list[int | None] = [None] * self.min_batch
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
@@ -121,7 +121,7 @@ class Server:
   def from_model(cls, model, **kwargs) -> "Server":
     """A server over a `mars_jax.loading.LoadedModel` (its mask and EOS ids)."""
     return cls(model.config, model.params, mask_token_id=model.mask_token_id,
-               eos_token_ids=model.eos_token_ids, **kwargs)
+               eos_token_ids=model.eos_token_ids, runtime=model.runtime, **kwargs)
 
   @property
   def active(self) -> int:
@@ -136,6 +136,7 @@ class Server:
     """Queues a request; -> its id. tau, metric default to the server's."""
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
+    sampling.check_prompt_ids(self.config, [prompt])
     need = len(prompt) + max_new_tokens + max(self.policy.windows) - 1
     if need > self.max_len:
       raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + W - 1 "
@@ -192,7 +193,8 @@ class Server:
     self.state, _, _ = sampling.segment(
         self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
         mask_token_id=self.mask_token_id, mode=self.mode, measure=self.measure,
-        real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue))
+        real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),
+        runtime=self.runtime)
     return self._harvest()
 
   def _harvest(self) -> list[Update]:

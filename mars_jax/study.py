@@ -8,6 +8,11 @@ baseline (bidirectional intra-block attention, no AR loss, B = 4). Each is then
 evaluated on held-out problems at every tau, window and gate of `study.eval`, and
 the tables, a Pareto plot and the wall-clock of every run go to `study.report`.
 Finished runs are reused, so an interrupted study resumes.
+
+The held-out problems are the synthetic test split drawn with each run's recorded data
+settings (its task.json: difficulty, split seed, test fraction; the study config's
+data.synthetic for a run with no record), so every model is scored on the distribution
+it trained on; a reused parent whose record differs from the study's is named.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from mars_jax import evaluate, experiment
+from mars_jax.data import synthetic, task_settings
 from mars_jax.loading import load_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "study config", lock_config=True)
@@ -78,8 +84,8 @@ def run_study(cfg, workdir: str) -> dict:
   results_path = os.path.join(workdir, "results.json")
   results = json.load(open(results_path)) if os.path.exists(results_path) else {}
   parent_dir = cfg.study.parent_dir or os.path.join(workdir, "parent")
-  problems = evaluate.load_problems("synthetic", cfg.study.num_problems,
-                                    seed=cfg.data.synthetic.seed)
+  study_split = split_settings(task_settings(cfg.data))
+  problem_sets: dict[tuple, list[dict]] = {}
   for name in ["parent", *cfg.study.variants]:
     if name in results:
       continue
@@ -89,6 +95,15 @@ def run_study(cfg, workdir: str) -> dict:
     train_s = time.time() - t0
     final = summary["stages"]["main"]["final"] or {}
     model = load_model(run_dir)
+    record = synthetic.load_task_settings(run_dir)
+    split = split_settings(record) if record else study_split
+    if split != study_split:
+      print(f"[{name}] note: {run_dir} trained on synthetic {split}, not the study's "
+            f"{study_split}; evaluated on its own.", flush=True)
+    key = tuple(sorted(split.items()))
+    if key not in problem_sets:
+      problem_sets[key] = evaluate.load_problems("synthetic", cfg.study.num_problems, **split)
+    problems = problem_sets[key]
     rows = []
     t1 = time.time()
     for gate, w, tau in eval_settings(name, cfg):
@@ -99,13 +114,18 @@ def run_study(cfg, workdir: str) -> dict:
                    **{k: v for k, v in r.items() if k != "outputs"}})
     results[name] = {"train_s": train_s, "eval_s": time.time() - t1, "rows": rows,
                      "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss"),
-                     "run_dir": run_dir}
+                     "run_dir": run_dir, "synthetic": split}
     print(f"\n[{name}] train {train_s:.0f}s, eval {results[name]['eval_s']:.0f}s\n"
           + evaluate.format_table(rows), flush=True)
     with open(results_path + ".tmp", "w") as f:
       json.dump(results, f, indent=2)
     os.replace(results_path + ".tmp", results_path)
   return results
+
+
+def split_settings(record: dict) -> dict:
+  """The generator settings of a task record that decide the test problems."""
+  return {k: record["synthetic"][k] for k in synthetic.SPLIT_DEFAULTS}
 
 
 def write_report(cfg, results: dict, path: str, command: str) -> None:
@@ -126,8 +146,14 @@ def write_report(cfg, results: dict, path: str, command: str) -> None:
       f"{s.child_steps} steps from it. Model: "
       f"{cfg.model.overrides.num_hidden_layers} layers, hidden "
       f"{cfg.model.overrides.hidden_size}; batch {cfg.train.batch_size}, length "
-      f"{cfg.data.max_length}. Greedy decoding on {s.num_problems} held-out problems; "
-      "tokens per forward = generated tokens / forwards (AR = 1.00).", "",
+      f"{cfg.data.max_length}. Greedy decoding on {s.num_problems} held-out problems of "
+      f"the synthetic test split (difficulty {cfg.data.synthetic.difficulty}, split seed "
+      f"{cfg.data.synthetic.seed}, test fraction {cfg.data.synthetic.test_fraction}: the "
+      "training data's); tokens per forward = generated tokens / forwards (AR = 1.00).", "",
+      *[f"Note: `{name}` trained on, and is evaluated on, synthetic {res['synthetic']} "
+        "(its task.json), not the study's settings.\n"
+        for name, res in results.items()
+        if res.get("synthetic") not in (None, split_settings(task_settings(cfg.data)))],
       "## Wall-clock and final losses", "",
       "A run trained before the study (a reused parent) shows only its loading time and no "
       "final loss here.", "",

@@ -10,6 +10,8 @@ anything is compiled.
   model.preset      Qwen2.5 shape for random init ("qwen2.5-0.5b", ...)
   model.overrides   Qwen2Config fields over the preset (a tiny model for CPU)
   model.dtype, model.param_dtype, model.attention_impl, model.remat, model.scan_layers
+                    the `Runtime` (mars_jax.models.config): how the model is stored
+                    and computed; recorded in each run's layout.json
   tokenizer         "char" (the embedded task's tokenizer), an HF directory, or None:
                     the tokenizer of model.init
   objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...)
@@ -107,22 +109,23 @@ def validate(cfg) -> None:
   if cfg.model.init == "random":
     random_model_config(cfg)
   else:
-    qwen2.Qwen2Config(vocab_size=1, hidden_size=2, intermediate_size=1, num_hidden_layers=1,
-                      num_attention_heads=1, num_key_value_heads=1, **runtime_fields(cfg))
+    runtime(cfg)
   if cfg.final_eval.num_problems < 0 or cfg.final_eval.max_new_tokens < 1:
     raise ValueError("final_eval.num_problems must be >= 0 and max_new_tokens >= 1.")
 
 
 def random_model_config(cfg, **extra) -> qwen2.Qwen2Config:
-  """The Qwen2Config of model.init="random": preset + overrides + runtime fields."""
-  return qwen2.preset(cfg.model.preset, **{**cfg.model.overrides.to_dict(), **extra,
-                                           **runtime_fields(cfg)})
+  """The Qwen2Config of model.init="random": preset + overrides (architecture only)."""
+  return qwen2.preset(cfg.model.preset, **{**cfg.model.overrides.to_dict(), **extra})
 
 
-def runtime_fields(cfg) -> dict:
+def runtime(cfg) -> qwen2.Runtime:
+  """The `Runtime` the config asks for (model.dtype, param_dtype, attention_impl, remat,
+  scan_layers); raises ValueError naming a bad value."""
   m = cfg.model
-  return dict(dtype=m.dtype, param_dtype=m.param_dtype, attention_impl=m.attention_impl,
-              remat=m.remat, scan_layers=m.scan_layers)
+  return qwen2.Runtime(dtype=m.dtype, param_dtype=m.param_dtype,
+                       attention_impl=m.attention_impl, remat=m.remat,
+                       scan_layers=m.scan_layers)
 
 
 def paper_config(*, model_dir: str, kind: str, fsdp: int, micro_batches: int,

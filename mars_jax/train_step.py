@@ -2,13 +2,14 @@
 
   mesh  = sharding.make_mesh(sharding.MeshConfig(data=-1, fsdp=1, tensor=1))
   tx    = optimizer.make_optimizer(opt_config)
-  state = init_train_state(model_config, tx, mesh, params=params)   # or rng=...
-  step  = make_train_step(model_config, objective_config, tx, mesh, micro_batches=4)
+  state = init_train_state(model_config, tx, mesh, params=params, runtime=rt)   # or rng=...
+  step  = make_train_step(model_config, objective_config, tx, mesh, micro_batches=4,
+                          runtime=rt)
   state, metrics = step(state, batch)      # batch: dict of [global_batch, L] arrays
 
-Params are the float32 master copy (`model_config.param_dtype`); the forward runs
-in `model_config.dtype` (e.g. "bfloat16", weights cast per use) with the
-rematerialisation policy `model_config.remat`. The step is
+Params are the master copy in `runtime.param_dtype` (float32 by default); the
+forward runs in `runtime.dtype` (e.g. "bfloat16", weights cast per use) with the
+rematerialisation policy `runtime.remat`. The step is
 `jax.jit(in_shardings=(state, batch), out_shardings=(state, replicated metrics),
 donate_argnums=0)`: the state passed in is consumed.
 """
@@ -26,9 +27,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mars_jax import objective as objective_lib
 from mars_jax import sharding
 from mars_jax.models import qwen2
+from mars_jax.models.qwen2 import Runtime
 
 Array = jax.Array
 Batch = dict[str, Array]
+_DEFAULT_RUNTIME = Runtime()
 
 
 @flax.struct.dataclass
@@ -39,30 +42,31 @@ class TrainState:
   opt_state: Any
 
 
-def abstract_train_state(model_config: qwen2.Qwen2Config,
-                         tx: optax.GradientTransformation) -> TrainState:
+def abstract_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
+                         *, runtime: Runtime = _DEFAULT_RUNTIME) -> TrainState:
   """`TrainState` of `jax.ShapeDtypeStruct`s (nothing allocated), e.g. an orbax target."""
-  params = qwen2.abstract_params(model_config)
+  params = qwen2.abstract_params(model_config, runtime=runtime)
   return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
                     opt_state=jax.eval_shape(tx.init, params))
 
 
 def train_state_shardings(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
-                          mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES
-                          ) -> TrainState:
+                          mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES, *,
+                          runtime: Runtime = _DEFAULT_RUNTIME) -> TrainState:
   """`TrainState` of `NamedSharding`s: params by logical axes, moments like their params."""
-  params = sharding.param_shardings(model_config, mesh, rules)
-  opt_state = sharding.opt_state_shardings(tx, qwen2.abstract_params(model_config), params,
-                                           mesh)
+  params = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
+  opt_state = sharding.opt_state_shardings(
+      tx, qwen2.abstract_params(model_config, runtime=runtime), params, mesh)
   return TrainState(step=sharding.replicated(mesh), params=params, opt_state=opt_state)
 
 
 def init_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
                      mesh: Mesh, *, params: Any = None, rng: Array | None = None,
-                     rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES) -> TrainState:
-  """A sharded step-0 state from given `params` (e.g. `hf.load_pretrained`), or a random
-  init from `rng` computed directly in its shardings."""
-  shardings = train_state_shardings(model_config, tx, mesh, rules)
+                     rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
+                     runtime: Runtime = _DEFAULT_RUNTIME) -> TrainState:
+  """A sharded step-0 state from given `params` (e.g. `hf.load_pretrained`, in
+  `runtime`'s layout), or a random init from `rng` computed directly in its shardings."""
+  shardings = train_state_shardings(model_config, tx, mesh, rules, runtime=runtime)
 
   def build(p):
     return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
@@ -70,7 +74,7 @@ def init_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTransfor
   if params is None:
     if rng is None:
       raise ValueError("init_train_state needs params or rng.")
-    return jax.jit(lambda r: build(qwen2.init_params(model_config, r)),
+    return jax.jit(lambda r: build(qwen2.init_params(model_config, r, runtime=runtime)),
                    out_shardings=shardings)(rng)
   params = jax.device_put(params, shardings.params)
   return jax.jit(build, in_shardings=(shardings.params,), out_shardings=shardings)(params)
@@ -92,8 +96,8 @@ def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
 
 def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
                    params: Any, batch: Batch, *, micro_batches: int = 1,
-                   micro_batch_sharding: NamedSharding | None = None
-                   ) -> tuple[Any, dict[str, Array]]:
+                   micro_batch_sharding: NamedSharding | None = None,
+                   runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Any, dict[str, Array]]:
   """Gradients of the normalised loss and the objective's sums, accumulated over micro-batches.
 
   The loss is a sum over micro-batches divided once by the whole batch's
@@ -101,7 +105,7 @@ def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   -> (grads: like params, sums: see `objective.objective_sums`).
   """
   def sum_loss(p, mb):
-    sums = objective_lib.objective_sums(model_config, p, mb, objective)
+    sums = objective_lib.objective_sums(model_config, p, mb, objective, runtime=runtime)
     return sums["loss"], sums
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
@@ -128,7 +132,8 @@ def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
 def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
                     tx: optax.GradientTransformation, mesh: Mesh, *, micro_batches: int = 1,
                     learning_rate_fn: optax.Schedule | None = None,
-                    rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES
+                    rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
+                    runtime: Runtime = _DEFAULT_RUNTIME
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
   """The jitted step `(state, batch) -> (state, metrics)`.
 
@@ -141,7 +146,7 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
   """
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches}; must be >= 1.")
-  state_shardings = train_state_shardings(model_config, tx, mesh, rules)
+  state_shardings = train_state_shardings(model_config, tx, mesh, rules, runtime=runtime)
   batch_shardings = sharding.batch_sharding(mesh, rules)
   batch_shards = sharding.num_batch_shards(batch_shardings)
 
@@ -154,7 +159,7 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
           "micro-batch splits over the devices.")
     grads, sums = loss_and_grads(model_config, objective, state.params, batch,
                                  micro_batches=micro_batches,
-                                 micro_batch_sharding=batch_shardings)
+                                 micro_batch_sharding=batch_shardings, runtime=runtime)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     _, metrics = objective_lib.finalize(sums)
@@ -169,17 +174,19 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
 
 
 def make_eval_step(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
-                   mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES
+                   mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES, *,
+                   runtime: Runtime = _DEFAULT_RUNTIME
                    ) -> Callable[[Any, Batch], dict[str, Array]]:
   """The jitted `(params, batch) -> sums` of the objective (no gradient).
 
   Add the sums of several batches and call `objective.finalize` for their loss
   and metrics over the whole set.
   """
-  params_sharding = sharding.param_shardings(model_config, mesh, rules)
+  params_sharding = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
 
   def evaluate(params, batch):
-    return objective_lib.objective_sums(model_config, params, batch, objective)
+    return objective_lib.objective_sums(model_config, params, batch, objective,
+                                        runtime=runtime)
 
   return jax.jit(evaluate,
                  in_shardings=(params_sharding, sharding.batch_sharding(mesh, rules)),

@@ -1,10 +1,16 @@
 """The training loop of one stage: data -> sharded step -> metrics, eval, checkpoints.
 
-  run_stage(cfg, run_dir, model_config, init_params, tokenizer, mask_id) -> StageResult
+  run_stage(cfg, run_dir, model_config, runtime, init_params, tokenizer, mask_id)
+      -> StageResult
 
 Resumes from the latest complete checkpoint in `run_dir` (params, optimizer state,
 step, data-iterator state); a finished stage returns at once. Every process calls
 it; process 0 alone prints, logs and writes files other than checkpoints.
+
+Eval loss: every `train.eval_every` steps (on a log step) over the first
+`train.eval_batches` global batches of the data's eval set. It is off, with a
+one-line notice, when the data has no eval set (a file source without
+`data.num_eval` or `data.eval_source`), and off when `train.eval_batches` is 0.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from tqdm.auto import tqdm
 
 from mars_jax import checkpoint, objective as objective_lib, sharding, train_config
 from mars_jax import train_step as ts
-from mars_jax.data import load_data
-from mars_jax.models.qwen2 import Qwen2Config
+from mars_jax.data import load_data, synthetic, task_settings
+from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.optimizer import make_optimizer, make_schedule
 
 
@@ -80,21 +86,55 @@ def evaluate_loss(eval_step, params, batches, batch_sharding) -> dict[str, float
   return {f"eval_{k}": v for k, v in _to_float(metrics).items()}
 
 
-def layout(cfg, model_config: Qwen2Config) -> dict:
-  return {"model": checkpoint.model_layout(model_config),
+def held_out_batches(cfg, data, name: str, *, shard_index: int,
+                     shard_count: int) -> list[dict[str, np.ndarray]]:
+  """This process's eval-loss batches: the first `train.eval_batches` of the eval set.
+
+  Empty (no eval loss, a one-line notice) when train.eval_batches is 0 or the data
+  has no eval set (a file source without data.eval_source and with data.num_eval 0).
+  An eval set smaller than one global batch is an error here, before anything is
+  compiled or written.
+  """
+  if not cfg.train.eval_batches:
+    return []
+  if data.eval is None or not len(data.eval):
+    if shard_index == 0:
+      how = ("data.synthetic.num_test" if data.config["source"] == "synthetic" else
+             "data.num_eval=N to hold out N records of data.source, or data.eval_source")
+      print(f"[{name}] no eval set: training without eval loss (set {how}).", flush=True)
+    return []
+  try:
+    batches = data.eval_batches(batch_size=cfg.train.batch_size, shard_index=shard_index,
+                                shard_count=shard_count)
+  except ValueError as e:
+    raise ValueError(f"{e} Hold out at least train.batch_size={cfg.train.batch_size} "
+                     "records (data.num_eval, data.eval_source), or set "
+                     "train.eval_batches=0 for no eval loss.") from e
+  return batches[:cfg.train.eval_batches]
+
+
+def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:
+  return {**checkpoint.model_layout(model_config, runtime),
           "objective": {k: cfg.objective[k] for k in
                         ("kind", "block_size", "ar_weight", "intra_block", "normalization")}}
 
 
-def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, tokenizer,
-              mask_id: int) -> StageResult:
-  """Trains one stage in `run_dir` as `cfg` says; returns its final params."""
+def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
+              init_params: Any, tokenizer, mask_id: int) -> StageResult:
+  """Trains one stage in `run_dir` as `cfg` says; returns its final params.
+
+  `init_params` (None: random init) must be in `runtime`'s layout."""
   t0 = time.time()
   nproc, pid = jax.process_count(), jax.process_index()
+  if cfg.train.eval_batches < 0:
+    raise ValueError(f"train.eval_batches={cfg.train.eval_batches}; must be >= 0 (0: no "
+                     "eval loss).")
   data = load_data(cfg.data, tokenizer)
   if pid == 0:
-    print(f"[{os.path.basename(run_dir)}] data: {data.stats.summary()}", flush=True)
+    print(f"[{os.path.basename(run_dir)}] {data.stats.summary()}", flush=True)  # starts "data:"
   batch_size = cfg.train.batch_size
+  eval_batches = held_out_batches(cfg, data, os.path.basename(run_dir), shard_index=pid,
+                                  shard_count=nproc)
   total = cfg.train.steps or data.num_steps(batch_size)
   if not total:
     raise ValueError("train.steps is not set and data.num_epochs is None: set one of them.")
@@ -103,10 +143,13 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
   tx = make_optimizer(typed.optimizer)
   step_fn = ts.make_train_step(model_config, typed.objective, tx, mesh,
                                micro_batches=cfg.train.micro_batches,
-                               learning_rate_fn=make_schedule(typed.optimizer))
-  eval_step = ts.make_eval_step(model_config, typed.objective, mesh)
+                               learning_rate_fn=make_schedule(typed.optimizer),
+                               runtime=runtime)
+  eval_step = ts.make_eval_step(model_config, typed.objective, mesh, runtime=runtime)
   batch_sharding = sharding.batch_sharding(mesh)
-  checkpoint.write_layout(run_dir, layout(cfg, model_config))
+  checkpoint.write_layout(run_dir, layout(cfg, model_config, runtime))
+  if pid == 0:   # the data the run trains on, for evaluation (see synthetic.TASK_FILE)
+    synthetic.record_task_settings(run_dir, task_settings(cfg.data))
   multihost_utils.sync_global_devices("layout written")
   if pid == 0 and tokenizer is not None:
     tokenizer.save_pretrained(checkpoint.tokenizer_dir(run_dir))
@@ -114,10 +157,10 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
                                     save_every=cfg.train.checkpoint_every,
                                     async_save=cfg.train.async_checkpoint)
   it = data.train_iterator(batch_size=batch_size, shard_index=pid, shard_count=nproc)
-  shardings = ts.train_state_shardings(model_config, tx, mesh)
+  shardings = ts.train_state_shardings(model_config, tx, mesh, runtime=runtime)
   start = ckpt.latest_step()
   if start is not None:
-    abstract = ts.abstract_train_state(model_config, tx)
+    abstract = ts.abstract_train_state(model_config, tx, runtime=runtime)
     with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     params, opt, data_state = ckpt.restore(
         start, jax.tree.map(with_sharding, abstract.params, shardings.params),
@@ -130,9 +173,7 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, init_params: Any, to
   else:
     start = 0
     state = ts.init_train_state(model_config, tx, mesh, params=init_params,
-                                rng=jax.random.key(cfg.train.seed))
-  eval_batches = data.eval_batches(batch_size=batch_size, shard_index=pid,
-                                   shard_count=nproc)[:cfg.train.eval_batches]
+                                rng=jax.random.key(cfg.train.seed), runtime=runtime)
   writer = MetricsWriter(run_dir)
   history = []
   bar = tqdm(total=total, initial=start, desc=os.path.basename(run_dir), unit="step",

@@ -54,7 +54,7 @@ def test_score_counts_exact_matches():
                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, eos_token_id=2)
   params = qwen2.init_params(config, jax.random.key(0))
-  model = LoadedModel(config, params, tok, 3, (2,))
+  model = LoadedModel(config, qwen2.Runtime(), params, tok, 3, (2,))
   problems = synthetic.generate(3, split="test")
   r = evaluate.score(model, problems, max_new_tokens=8, batch_size=2)
   assert r["n"] == 3 and r["accuracy"] == 0.0 and r["tokens_per_forward"] == 1.0

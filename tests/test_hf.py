@@ -72,7 +72,6 @@ def test_multi_shard_export(hf_tiny, tmp_path):
 def test_bfloat16_load_and_export(hf_tiny, tmp_path):
   path, _ = hf_tiny(tie=True)
   config, params = hf.load_pretrained(path, dtype="bfloat16")
-  assert config.param_dtype == "bfloat16"
   assert all(x.dtype.name == "bfloat16" for x in jax.tree.leaves(params))
   out = str(tmp_path / "bf16")
   hf.save_pretrained(config, params, out)
@@ -167,6 +166,29 @@ def test_wrong_architecture(hf_tiny, tmp_path):
                         model_type="llama")
   with pytest.raises(ValueError, match=r"config.json.*LlamaForCausalLM.*Qwen2ForCausalLM"):
     hf.load_pretrained(d)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"architectures": None}, r"no 'architectures' entry.*Qwen2ForCausalLM"),
+    ({"model_type": "qwen3"}, r"model_type='qwen3'.*supports model_type 'qwen2'"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+])
+def test_config_json_that_is_not_a_standard_qwen2(hf_tiny, tmp_path, changes, message):
+  d = _copy_with_config(hf_tiny, tmp_path, "odd", **changes)
+  with pytest.raises(ValueError, match=message):
+    hf.load_pretrained(d)
+
+
+def test_load_layout_follows_the_runtime(hf_tiny):
+  """`scan_layers` and `dtype` choose the params tree; `relayout` converts between them."""
+  path, _ = hf_tiny(tie=False)
+  _, scanned = hf.load_pretrained(path)
+  _, unrolled = hf.load_pretrained(path, dtype="bfloat16", scan_layers=False)
+  assert "layers" in scanned and "layers_0" in unrolled
+  assert {x.dtype.name for x in jax.tree.leaves(unrolled)} == {"bfloat16"}
+  back = qwen2.relayout(unrolled, qwen2.Runtime(param_dtype="bfloat16"))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               back, jax.tree.map(lambda x: x.astype("bfloat16"), scanned))
 
 
 def test_truncated_safetensors(hf_tiny, tmp_path):

@@ -80,7 +80,7 @@ def test_export_of_two_process_checkpoint(two_proc, tmp_path):
   ids = tok("Ann has 3 apples. #### 7", return_tensors="pt").input_ids
   from mars_jax.models import qwen2
   from mars_jax import checkpoint
-  config, params = checkpoint.load_params(two_proc)
+  config, _, params = checkpoint.load_params(two_proc)
   t = ids.shape[1]
   ours = qwen2.forward(config, params, ids.numpy().astype(np.int32),
                        np.arange(t, dtype=np.int32)[None], np.tril(np.ones((1, t, t), bool)))

@@ -20,11 +20,14 @@ MASK = VOCAB - 1
 OPTIONS = ("block_size", "ar_weight", "intra_block", "normalization", "chunk_size")
 
 
+# Unrolled layers compile twice as fast on CPU (test_sharding runs the scanned stack).
+RT = qwen2.Runtime(scan_layers=False)
+
+
 def tiny_config(tie=True):
-  """Unrolled layers compile twice as fast on CPU (test_sharding runs the scanned stack)."""
   return qwen2.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           rope_theta=10000.0, tie_word_embeddings=tie, scan_layers=False)
+                           rope_theta=10000.0, tie_word_embeddings=tie)
 
 
 def random_params(config, seed=0):
@@ -36,7 +39,7 @@ def random_params(config, seed=0):
       return jnp.asarray(1.0 + 0.1 * rng.standard_normal(x.shape), jnp.float32)
     return jnp.asarray((0.1 if name.endswith("bias") else 0.25)
                        * rng.standard_normal(x.shape), jnp.float32)
-  return jax.tree_util.tree_map_with_path(draw, qwen2.abstract_params(config))
+  return jax.tree_util.tree_map_with_path(draw, qwen2.abstract_params(config, runtime=RT))
 
 
 def ragged_batch(length=11, seed=0):
@@ -54,7 +57,7 @@ def mars_vg(config, params, batch, block_size=4, ar_weight=1.0, intra_block="cau
             normalization="sequence", chunk_size=256):
   """((loss, metrics), grads) of the one-pass `mars_loss`."""
   return jax.value_and_grad(
-      lambda p: objective.mars_loss(config, p, batch, block_size=block_size,
+      lambda p: objective.mars_loss(config, p, batch, block_size=block_size, runtime=RT,
                                     mask_token_id=MASK, ar_weight=ar_weight,
                                     intra_block=intra_block, normalization=normalization,
                                     chunk_size=chunk_size), has_aux=True)(params)
@@ -63,7 +66,8 @@ def mars_vg(config, params, batch, block_size=4, ar_weight=1.0, intra_block="cau
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("normalization",))
 def ar_vg(config, params, batch, normalization="sequence"):
   return jax.value_and_grad(
-      lambda p: objective.ar_sft_loss(config, p, batch, normalization=normalization),
+      lambda p: objective.ar_sft_loss(config, p, batch, normalization=normalization,
+                                      runtime=RT),
       has_aux=True)(params)
 
 
@@ -98,7 +102,8 @@ def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causa
   logits = qwen2.forward(
       config, params, jnp.concatenate(seqs, 0),
       jnp.broadcast_to(jnp.arange(length), (n * b, length)),
-      jnp.asarray(np.repeat(np.stack(pass_masks), b, axis=0))).reshape(n, b, length, -1)
+      jnp.asarray(np.repeat(np.stack(pass_masks), b, axis=0)),
+      runtime=RT).reshape(n, b, length, -1)
   ce_clean = ce(logits[0], labels)
   ce_noisy = jnp.concatenate([ce(logits[k + 1][:, s:s + block], labels[:, s:s + block])
                               for k, s in enumerate(starts)], 1)
@@ -166,9 +171,10 @@ def test_ar_sft_loss_is_causal_ce_on_response_tokens():
   batch = ragged_batch()
   tokens = jnp.asarray(batch["tokens"])
   b, length = tokens.shape
-  logits = jax.jit(qwen2.forward, static_argnums=0)(
+  logits = jax.jit(qwen2.forward, static_argnums=0, static_argnames="runtime")(
       config, params, tokens, jnp.broadcast_to(jnp.arange(length), (b, length)),
-      jnp.broadcast_to(np.tril(np.ones((length, length), bool)), (b, length, length)))
+      jnp.broadcast_to(np.tril(np.ones((length, length), bool)), (b, length, length)),
+      runtime=RT)
   per_tok = ce(logits[:, :-1], tokens[:, 1:])
   target = batch["loss_mask"][:, 1:]
   ref = np.mean([float(jnp.sum(per_tok[r] * target[r]) / max(target[r].sum(), 1))
@@ -205,8 +211,8 @@ def test_packed_rows_equal_unpacked_rows():
             "loss_mask": np.concatenate([ma, mb, [False]])[None],
             "segment_ids": np.array([[1] * 6 + [2] * 9 + [0]], np.int32)}
   mars = jax.jit(lambda bt: objective.mars_loss(config, params, bt, block_size=3,
-                                                mask_token_id=MASK))
-  ar = jax.jit(lambda bt: objective.ar_sft_loss(config, params, bt))
+                                                mask_token_id=MASK, runtime=RT))
+  ar = jax.jit(lambda bt: objective.ar_sft_loss(config, params, bt, runtime=RT))
   for loss_fn in (mars, ar):
     (l1, m1), (l2, m2) = loss_fn(unpacked), loss_fn(packed)
     assert abs(float(l1) - float(l2)) < TOL
@@ -220,7 +226,7 @@ def test_offset_accuracy_counts_noisy_targets_by_slot():
   target = np.asarray(f["target"])
   np.testing.assert_array_equal(target[:, :-1], batch["loss_mask"][:, 1:])
   config = tiny_config()
-  sums = jax.jit(lambda p: objective.mars_sums(config, p, batch, block_size=4,
+  sums = jax.jit(lambda p: objective.mars_sums(config, p, batch, block_size=4, runtime=RT,
                                                mask_token_id=MASK))(random_params(config))
   np.testing.assert_array_equal(np.asarray(sums["count_offset"]),
                                 [target[slot == j].sum() for j in range(4)])

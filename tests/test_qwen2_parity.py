@@ -75,13 +75,13 @@ def test_arbitrary_mask_and_offset_positions(hf_tiny):
 def test_runtime_variants_equal(hf_tiny, impl, scan):
   path, _ = hf_tiny(tie=True, num_kv_heads=2)
   config, params = hf.load_pretrained(path)
-  other_cfg, other_params = hf.load_pretrained(path, attention_impl=impl, scan_layers=scan,
-                                               remat="full")
+  other_cfg, other_params = hf.load_pretrained(path, scan_layers=scan)
+  other = qwen2.Runtime(attention_impl=impl, scan_layers=scan, remat="full")
   rng = np.random.default_rng(3)
   tokens = rng.integers(0, 128, (2, 8)).astype(np.int32)
   positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
   a = qwen2.forward(config, params, tokens, positions, causal(2, 8))
-  b = qwen2.forward(other_cfg, other_params, tokens, positions, causal(2, 8))
+  b = qwen2.forward(other_cfg, other_params, tokens, positions, causal(2, 8), runtime=other)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 

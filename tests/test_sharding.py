@@ -108,7 +108,7 @@ def sharded_vs_single_device():
 def test_accumulated_micro_batches_equal_full_batch():
   """Micro-batches hold different numbers of sequences (segments) and targets: the loss
   is a sum divided once by the whole batch's denominator, so accumulation is exact."""
-  config = tiny_config().replace(scan_layers=False)
+  config = tiny_config()
   tx = make_tx(2)
   obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
   params = jax.device_get(qwen2.init_params(config, jax.random.key(1)))
@@ -125,23 +125,24 @@ def test_accumulated_micro_batches_equal_full_batch():
 
 def test_bfloat16_compute_keeps_float32_master_params():
   """dtype="bfloat16" with remat: float32 params and moments, the float32 step's loss."""
-  config = tiny_config().replace(scan_layers=False)
+  config = tiny_config()
   obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
   params = jax.device_get(qwen2.init_params(config, jax.random.key(3)))
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
   batch = packed_batch(rows=4)
   f32_loss, _ = jax.jit(lambda p: objective.mars_loss(config, p, batch, block_size=4,
                                                       mask_token_id=MASK))(params)
-  low = config.replace(dtype="bfloat16", remat="full")
-  state = train_step.init_train_state(low, make_tx(), mesh, params=params)
-  state, metrics = train_step.make_train_step(low, obj, make_tx(), mesh)(state, batch)
+  low = qwen2.Runtime(dtype="bfloat16", remat="full")
+  state = train_step.init_train_state(config, make_tx(), mesh, params=params, runtime=low)
+  state, metrics = train_step.make_train_step(config, obj, make_tx(), mesh,
+                                              runtime=low)(state, batch)
   dtypes = {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))}
   assert dtypes == {np.dtype(np.float32)}
   assert abs(float(metrics["loss"]) - float(f32_loss)) < 0.05 * float(f32_loss)
 
 
 def test_eval_step_sums_add_up_to_the_loss_of_the_whole_set():
-  config = tiny_config().replace(scan_layers=False)
+  config = tiny_config()
   obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
   params = qwen2.init_params(config, jax.random.key(2))
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
@@ -177,7 +178,7 @@ def test_fit_spec_replicates_dimensions_the_mesh_does_not_divide():
 
 
 def test_batch_not_divisible_by_micro_batches_and_devices_is_a_clear_error():
-  config = tiny_config().replace(scan_layers=False)
+  config = tiny_config()
   tx = make_tx()
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
   step = train_step.make_train_step(config, objective.ObjectiveConfig(kind="ar_sft"), tx, mesh,

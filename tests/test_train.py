@@ -46,7 +46,7 @@ def losses(run_dir):
 def params_of(run_dir):
   from mars_jax import checkpoint
   import jax
-  _, params = checkpoint.load_params(run_dir)
+  _, _, params = checkpoint.load_params(run_dir)
   return jax.tree.map(np.asarray, params)
 
 
@@ -115,6 +115,59 @@ def test_bad_config_is_a_clear_error(tmp_path, override, message):
   assert not os.path.exists(tmp_path / "bad" / "checkpoints")
 
 
+def _chat_file(path, n=48):
+  from mars_jax.data import synthetic
+  with open(path, "w") as f:
+    for record in synthetic.chat_records(n, seed=5, difficulty="easy"):
+      f.write(json.dumps(record) + "\n")
+  return str(path)
+
+
+@pytest.mark.parametrize("num_eval", [0, 8])
+def test_file_source_trains_with_or_without_held_out_slice(tmp_path, num_eval):
+  """A JSONL source without eval_source: num_eval=0 trains without eval loss (one-line
+  notice); num_eval=8 holds 8 records out and reports eval loss."""
+  d = str(tmp_path / "run")
+  r = train(d, f"--config.data.source={_chat_file(tmp_path / 'chat.jsonl')}",
+            f"--config.data.num_eval={num_eval}", "--config.train.steps=3",
+            "--config.train.eval_every=1", "--config.train.checkpoint_every=3")
+  rows = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
+  assert [row["step"] for row in rows] == [1, 2, 3]
+  assert all(np.isfinite(row["loss"]) for row in rows)
+  notice = "no eval set: training without eval loss" in r.stdout
+  if num_eval:
+    assert not notice and all(np.isfinite(row["eval_loss"]) for row in rows)
+  else:
+    assert notice and not any("eval_loss" in row for row in rows)
+  from mars_jax import checkpoint
+  assert checkpoint.resolve_checkpoint(d)[1] == 3
+
+
+def test_eval_batches_zero_means_no_eval_loss(tmp_path):
+  """train.eval_batches=0 never fails, even with no eval set or one smaller than a
+  batch; a held-out slice smaller than one batch is a clear error at set-up otherwise."""
+  import ml_collections
+  from mars_jax import trainer
+  from mars_jax.data import build_char_tokenizer, load_data
+  tok = build_char_tokenizer()
+  path = _chat_file(tmp_path / "chat.jsonl", n=20)
+
+  def batches(num_eval, eval_batches):
+    data = load_data({"source": path, "num_eval": num_eval, "max_length": 128}, tok)
+    cfg = ml_collections.ConfigDict({"train": {"batch_size": 8, "eval_batches": eval_batches}})
+    return trainer.held_out_batches(cfg, data, "run", shard_index=0, shard_count=1)
+
+  assert batches(0, 0) == [] and batches(3, 0) == [] and batches(0, 4) == []
+  assert len(batches(16, 4)) == 2 and len(batches(16, 1)) == 1
+  with pytest.raises(ValueError, match="train.eval_batches=0"):
+    batches(3, 4)
+  r = train(str(tmp_path / "run"), f"--config.data.source={path}", "--config.data.num_eval=3",
+            "--config.train.eval_batches=0", "--config.train.eval_every=1",
+            "--config.train.steps=2")
+  rows = [json.loads(l) for l in open(os.path.join(tmp_path, "run", "metrics.jsonl"))]
+  assert len(rows) == 2 and not any("eval_loss" in row for row in rows)
+
+
 @pytest.mark.slow
 def test_tiny_two_stage_end_to_end(tmp_path):
   """configs/tiny.py shortened: both losses fall, checkpoints, metrics and a loadable export."""
@@ -137,7 +190,7 @@ def test_tiny_two_stage_end_to_end(tmp_path):
   assert tok.convert_tokens_to_ids("<|mask|>") == 3
   ids = tok("1+2=3", return_tensors="pt").input_ids
   from mars_jax import hf, checkpoint
-  config, params = checkpoint.load_params(os.path.join(d, "stage2"))
+  config, _, params = checkpoint.load_params(os.path.join(d, "stage2"))
   import jax.numpy as jnp
   from mars_jax.models import qwen2
   t = ids.shape[1]

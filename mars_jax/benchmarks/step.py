@@ -59,13 +59,11 @@ def parse_args(argv):
 
 
 def model_config(args) -> qwen2.Qwen2Config:
-  runtime = dict(dtype=args.dtype, remat=args.remat)
   if args.preset:
-    return qwen2.preset(args.preset, **runtime)
+    return qwen2.preset(args.preset)
   return qwen2.Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
                            intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                           num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                           **runtime)
+                           num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
 
 
 def synthetic_batch(config: qwen2.Qwen2Config, batch: int, length: int) -> dict:
@@ -89,10 +87,10 @@ def train_flops(config: qwen2.Qwen2Config, batch: int, positions: int) -> tuple[
   return 3 * (matmul + attention), 3 * attention
 
 
-def time_step(config, obj, tx, mesh, params, batch, steps):
+def time_step(config, runtime, obj, tx, mesh, params, batch, steps):
   """-> (seconds per step, compiled temp MiB)."""
-  state = train_step.init_train_state(config, tx, mesh, params=params)
-  step = train_step.make_train_step(config, obj, tx, mesh)
+  state = train_step.init_train_state(config, tx, mesh, params=params, runtime=runtime)
+  step = train_step.make_train_step(config, obj, tx, mesh, runtime=runtime)
   temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes / MIB
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
@@ -105,6 +103,7 @@ def time_step(config, obj, tx, mesh, params, batch, steps):
 
 def step_table(args) -> str:
   config = model_config(args)
+  runtime = qwen2.Runtime(dtype=args.dtype, remat=args.remat)
   mesh = sharding.make_mesh(sharding.MeshConfig(-1, 1, 1))
   tx = optimizer.make_optimizer(optimizer.OptimizerConfig(total_steps=args.steps + 1))
   params = jax.device_get(qwen2.init_params(config, jax.random.key(0)))
@@ -114,7 +113,7 @@ def step_table(args) -> str:
     obj = objective.ObjectiveConfig(kind=kind, block_size=args.block_size,
                                     mask_token_id=config.vocab_size - 1,
                                     chunk_size=args.chunk_size)
-    seconds, temp = time_step(config, obj, tx, mesh, params, batch, args.steps)
+    seconds, temp = time_step(config, runtime, obj, tx, mesh, params, batch, args.steps)
     length = args.length * (2 if kind == "mars" else 1)
     flops, attention = train_flops(config, args.batch, length)
     rows.append((kind, args.batch * length, seconds, flops / 1e9, attention / flops, temp))
@@ -124,7 +123,7 @@ def step_table(args) -> str:
       f"(hidden={config.hidden_size} layers={config.num_hidden_layers} "
       f"heads={config.num_attention_heads}/{config.num_key_value_heads} "
       f"mlp={config.intermediate_size} vocab={config.vocab_size}), b={args.batch} "
-      f"L={args.length} B={args.block_size}, dtype={config.dtype}, remat={config.remat}, "
+      f"L={args.length} B={args.block_size}, dtype={runtime.dtype}, remat={runtime.remat}, "
       f"{jax.device_count()} x {jax.devices()[0].platform}, {args.steps} timed steps",
       f"{'objective':<10} {'positions':>9} {'ms/step':>9} {'x AR':>6} {'GFLOP':>9} "
       f"{'x AR':>6} {'attn %':>7} {'temp MiB':>9}"]

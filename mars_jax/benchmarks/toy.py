@@ -31,12 +31,14 @@ PROMPT_LEN = 4
 MASK_ID = 127
 CONFIG = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     tie_word_embeddings=True, rope_theta=10000.0, scan_layers=False)
+                     tie_word_embeddings=True, rope_theta=10000.0)
+TRAIN_RUNTIME = qwen2.Runtime(scan_layers=False)  # unrolled: compiles faster on CPU
 
 
 @dataclasses.dataclass(frozen=True)
 class Toy:
-  """A trained toy: config, params, the cycle (int32[PERIOD]) and the `<|mask|>` id."""
+  """A trained toy: config, params (in the default `Runtime`'s layout), the cycle
+  (int32[PERIOD]) and the `<|mask|>` id."""
   config: Qwen2Config
   params: Any
   cycle: np.ndarray
@@ -68,14 +70,15 @@ def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 
   """Trains the toy with `objective.mars_loss` (AR + MASK terms) and Adam."""
   rng = np.random.default_rng(seed)
   cycle = rng.choice(np.arange(1, MASK_ID), PERIOD, replace=False).astype(np.int32)
-  params = qwen2.init_params(CONFIG, jax.random.key(seed))
+  params = qwen2.init_params(CONFIG, jax.random.key(seed), runtime=TRAIN_RUNTIME)
   tx = optax.adam(learning_rate)
 
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
       return objective.mars_loss(CONFIG, p, batch, block_size=block_size,
-                                 mask_token_id=MASK_ID, chunk_size=None)[0]
+                                 mask_token_id=MASK_ID, chunk_size=None,
+                                 runtime=TRAIN_RUNTIME)[0]
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -83,4 +86,5 @@ def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 
   opt_state = tx.init(params)
   for _ in range(steps):
     params, opt_state, _ = step(params, opt_state, batch(cycle, rng, rows, length))
-  return Toy(CONFIG, jax.tree.map(jnp.asarray, params), cycle, MASK_ID)
+  return Toy(CONFIG, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.Runtime()),
+             cycle, MASK_ID)

@@ -15,8 +15,13 @@ an unknown key is an error):
                 {"messages": [{"role": "system"|"user"|"assistant", "content": str}]}.
   eval_source   held-out chat files (same forms); None: for "synthetic" the test split,
                 for files the `num_eval` records held out of `source` (none if 0).
-  num_eval      records of a file `source` held out (by `seed`) for eval when
-                `eval_source` is None; they never appear in training.
+  num_eval      records of a file `source` held out for eval when `eval_source` is
+                None: a fixed random subset drawn by `seed` over all the files' records
+                (the same whatever the process count); they never appear in training.
+                0 (the default): no held-out slice, so a file source without
+                `eval_source` has no eval set and the trainer trains without eval loss
+                (it says so in one line). The eval set is read in whole global batches
+                (`eval_batches`), so hold out at least one batch of records.
   max_length    row length L in tokens (512); longer records are cut (see `truncate`).
   truncate      True: cut records longer than L and count them; False: such records
                 are bad input ("too_long"), handled by `on_bad`.
@@ -109,6 +114,18 @@ def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not ok:
       raise ValueError(f"data.{name}={value!r}; expected {expected}.")
   return out
+
+
+def task_settings(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
+  """The task record of a data config (see `synthetic.save_task_settings`):
+  {"source", "synthetic": {seed, test_fraction, difficulty, num_train, num_test}},
+  defaults filled in. The final evaluation and the run's task.json both come from it."""
+  cfg = _resolve(data_cfg)
+  syn = cfg["synthetic"]
+  synthetic.check_split_settings(syn, "data.synthetic")
+  return {"source": cfg["source"],
+          "synthetic": {k: syn[k] for k in ("seed", "test_fraction", "difficulty",
+                                             "num_train", "num_test")}}
 
 
 class _Subset:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 import random
 import re
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 SPLITS = ("train", "test")
 NAMES = ("Ann", "Bob", "Cal", "Dan", "Eve", "Fay", "Gus", "Ida", "Jim", "Kim", "Leo",
@@ -179,3 +181,87 @@ def is_correct(prediction: str, reference: str) -> bool:
   """Exact match of the extracted final answers; a prediction without one is wrong."""
   got = extract_answer(prediction)
   return got is not None and got == extract_answer(reference)
+
+
+# --- The task record: which synthetic problems a run trained on -------------------------
+#
+# TASK_FILE in a run directory (written by the trainer) and in an HF export (written after
+# the weights) holds {"source": data.source, "synthetic": {seed, test_fraction,
+# difficulty, num_train, num_test}}: the data settings of the run, so that evaluation
+# draws its held-out problems from the split the run held out, at its difficulty.
+
+TASK_FILE = "task.json"
+# The generator settings that decide which problems the test split holds, at their
+# `generate` defaults (used, with a notice, for a model that has no record).
+SPLIT_DEFAULTS = {"seed": 0, "test_fraction": 0.1, "difficulty": "standard"}
+
+
+def check_split_settings(settings: Mapping[str, Any], where: str = "") -> None:
+  """Raises ValueError unless seed, test_fraction and difficulty are valid `generate` args."""
+  seed, frac, diff = (settings.get(k) for k in SPLIT_DEFAULTS)
+  bad = ([f"seed={seed!r} (expected an int)"] if not isinstance(seed, int)
+         or isinstance(seed, bool) else [])
+  bad += ([f"test_fraction={frac!r} (expected a number in (0, 1))"]
+          if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac < 1
+          else [])
+  bad += [f"difficulty={diff!r} (expected one of {DIFFICULTIES})"] if (
+      diff not in DIFFICULTIES) else []
+  if bad:
+    raise ValueError(f"{where + ': ' if where else ''}invalid synthetic settings: "
+                     + "; ".join(bad) + ".")
+
+
+def save_task_settings(directory: str, settings: Mapping[str, Any]) -> str:
+  """Writes `settings` ({"source", "synthetic": {...}}) to DIRECTORY/task.json; -> path.
+
+  Atomic (a temporary file renamed into place); overwrites an older record.
+  """
+  check_split_settings(settings["synthetic"], "save_task_settings")
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, TASK_FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump({"source": settings["source"], "synthetic": dict(settings["synthetic"])}, f,
+              indent=2, sort_keys=True)
+  os.replace(tmp, path)
+  return path
+
+
+def record_task_settings(directory: str, settings: Mapping[str, Any]) -> dict:
+  """The trainer's write: saves `settings` to DIRECTORY/task.json unless a record is
+  already there (a resumed or reused run keeps what it started on; a differing split
+  setting is printed as a warning). -> the record in effect."""
+  old = load_task_settings(directory)
+  if old is None:
+    save_task_settings(directory, settings)
+    return {"source": settings["source"], "synthetic": dict(settings["synthetic"])}
+  diffs = [f"{k}: recorded {old['synthetic'].get(k)!r}, config {settings['synthetic'][k]!r}"
+           for k in SPLIT_DEFAULTS if old["synthetic"].get(k) != settings["synthetic"][k]]
+  if old["source"] != settings["source"]:
+    diffs.insert(0, f"source: recorded {old['source']!r}, config {settings['source']!r}")
+  if diffs:
+    print(f"warning: {os.path.join(directory, TASK_FILE)} keeps the data settings this run "
+          f"started on ({'; '.join(diffs)}); evaluation uses the record.", flush=True)
+  return old
+
+
+def load_task_settings(directory: str) -> dict | None:
+  """DIRECTORY/task.json as {"source", "synthetic": {...}}, or None when there is none.
+
+  A record that is not valid JSON or holds invalid generator settings is a ValueError
+  naming the file (never silently replaced by defaults).
+  """
+  path = os.path.join(directory, TASK_FILE)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path) as f:
+      rec = json.load(f)
+    syn = rec["synthetic"]
+    source = rec["source"]
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: not a task record ({e}); expected "
+                     '{"source": ..., "synthetic": {"seed", "test_fraction", "difficulty", '
+                     '...}}.') from e
+  check_split_settings(syn, path)
+  return {"source": source, "synthetic": dict(syn)}

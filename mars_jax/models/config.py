@@ -1,9 +1,14 @@
 """Qwen2 / Qwen2.5 model configuration: HF config.json in and out, published presets.
 
-`Qwen2Config` is a frozen (hashable) dataclass, so it can be a static argument of
-`jax.jit`. Architecture fields mirror Hugging Face's `config.json`; the runtime
-fields (`param_dtype`, `dtype`, `attention_impl`, `remat`, `scan_layers`) choose
-how the same weights are computed and never change what a checkpoint means.
+Two frozen (hashable) dataclasses, both usable as static arguments of `jax.jit`:
+
+  Qwen2Config  the architecture, exactly what `config.json` holds;
+  Runtime      how the same weights are stored and computed (parameter dtype,
+               compute dtype, attention implementation, remat, scanned layers).
+
+A checkpoint means the same under any `Runtime`; functions that compute take the
+runtime as an explicit `runtime=` keyword whose default is float32 with the plain
+einsum attention, scanned layers and no remat.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 
 ARCHITECTURE = "Qwen2ForCausalLM"
+MODEL_TYPE = "qwen2"
 ATTENTION_IMPLS = ("xla", "dot_product_attention", "cudnn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -23,14 +29,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
-  """Shapes of a Qwen2 decoder plus how to run it.
-
-  Attributes beyond HF's: `param_dtype` (storage of weights), `dtype` (compute of
-  activations; norms, softmax and logits stay float32), `attention_impl`
-  ("xla" einsum, "dot_product_attention" = `jax.nn.dot_product_attention` with
-  automatic backend choice, "cudnn" = force the cuDNN fused kernel on GPU),
-  `remat` (rematerialisation policy of each decoder layer), `scan_layers`.
-  """
+  """Shapes of a Qwen2 decoder, as in Hugging Face's `config.json` (nothing else)."""
 
   vocab_size: int
   hidden_size: int
@@ -45,11 +44,6 @@ class Qwen2Config:
   tie_word_embeddings: bool = False
   bos_token_id: int | None = 151643
   eos_token_id: int | tuple[int, ...] | None = 151645
-  param_dtype: str = "float32"
-  dtype: str = "float32"
-  attention_impl: str = "xla"
-  remat: str = "none"
-  scan_layers: bool = True
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -64,18 +58,6 @@ class Qwen2Config:
           f"num_key_value_heads {self.num_key_value_heads}.")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-    for name, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES),
-                          ("attention_impl", ATTENTION_IMPLS), ("remat", REMAT_POLICIES)):
-      if getattr(self, name) not in allowed:
-        raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(allowed)}.")
-
-  @property
-  def jnp_param_dtype(self):
-    return DTYPES[self.param_dtype]
-
-  @property
-  def jnp_dtype(self):
-    return DTYPES[self.dtype]
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -91,14 +73,27 @@ class Qwen2Config:
   # ---- Hugging Face config.json ------------------------------------------------
 
   @classmethod
-  def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json",
-                   **runtime) -> "Qwen2Config":
-    """Builds a config from an HF config dict (transformers 4 or 5 layout)."""
-    archs = d.get("architectures") or [ARCHITECTURE]
-    if ARCHITECTURE not in archs and d.get("model_type") != "qwen2":
+  def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "Qwen2Config":
+    """Builds a config from an HF config dict (transformers 4 or 5 layout).
+
+    `architectures` must name Qwen2ForCausalLM and `model_type` must be "qwen2", as
+    transformers' `save_pretrained` writes them for a Qwen2 checkpoint."""
+    model_type = d.get("model_type")
+    archs = d.get("architectures")
+    if not archs:
       raise ValueError(
-          f"{source}: architectures={archs}, model_type={d.get('model_type')!r}; mars_jax "
-          f"only supports {ARCHITECTURE} (Qwen2 / Qwen2.5). Point to a Qwen2 checkpoint.")
+          f"{source}: no 'architectures' entry, so it is not known which model these "
+          f"weights are for. Add \"architectures\": [\"{ARCHITECTURE}\"] if this is a "
+          "Qwen2 checkpoint, or re-save it with transformers' save_pretrained.")
+    if model_type != MODEL_TYPE or ARCHITECTURE not in archs:
+      raise ValueError(
+          f"{source}: model_type={model_type!r}, architectures={archs}; mars_jax supports "
+          f"model_type {MODEL_TYPE!r} ({ARCHITECTURE}: Qwen2 / Qwen2.5) only. Point "
+          "--config.model.init / --model at a Qwen2 checkpoint directory.")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"{source}: hidden_act={act!r} is not supported; Qwen2 uses 'silu' "
+                       "(SwiGLU). This checkpoint is not a standard Qwen2.")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
@@ -126,11 +121,10 @@ class Qwen2Config:
         tie_word_embeddings=d.get("tie_word_embeddings", False),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
-        **runtime,
     )
 
   @classmethod
-  def from_json_file(cls, path: str, **runtime) -> "Qwen2Config":
+  def from_json_file(cls, path: str) -> "Qwen2Config":
     if not os.path.isfile(path):
       raise FileNotFoundError(f"{path}: no config.json; an HF model directory needs one.")
     with open(path) as f:
@@ -138,14 +132,14 @@ class Qwen2Config:
         d = json.load(f)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e}).") from e
-    return cls.from_hf_dict(d, source=path, **runtime)
+    return cls.from_hf_dict(d, source=path)
 
-  def to_hf_dict(self, *, torch_dtype: str | None = None) -> dict[str, Any]:
+  def to_hf_dict(self, *, torch_dtype: str = "float32") -> dict[str, Any]:
     """The config.json transformers writes for Qwen2ForCausalLM (both rope keys)."""
     eos = self.eos_token_id
     return {
         "architectures": [ARCHITECTURE],
-        "model_type": "qwen2",
+        "model_type": MODEL_TYPE,
         "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size,
         "intermediate_size": self.intermediate_size,
@@ -163,9 +157,59 @@ class Qwen2Config:
         "attention_dropout": 0.0,
         "bos_token_id": self.bos_token_id,
         "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-        "dtype": torch_dtype or self.param_dtype,
+        "dtype": torch_dtype,
         "use_cache": True,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """How a model's weights are stored and computed; never what they mean.
+
+  param_dtype: storage of the weights (the float32 master copy when training).
+  dtype: compute of activations; norms, softmax and logits stay float32.
+  attention_impl: "xla" (plain einsum), "dot_product_attention"
+    (`jax.nn.dot_product_attention`, backend chosen by JAX) or "cudnn" (the fused
+    cuDNN kernel on GPU).
+  remat: rematerialisation policy of each decoder layer.
+  scan_layers: layers stacked on a leading axis under `nn.scan` (the params tree
+    then holds `layers/...`; unrolled it holds `layers_0 .. layers_{L-1}`).
+  """
+
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  attention_impl: str = "xla"
+  remat: str = "none"
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    for name, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES),
+                          ("attention_impl", ATTENTION_IMPLS), ("remat", REMAT_POLICIES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(allowed)}.")
+
+  @property
+  def jnp_param_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  @property
+  def jnp_dtype(self):
+    return DTYPES[self.dtype]
+
+  def replace(self, **kwargs) -> "Runtime":
+    return dataclasses.replace(self, **kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def scan_layers_of(params: Any) -> bool:
+  """Whether a params tree holds stacked (scanned) layers: `layers` vs `layers_0..`."""
+  if "layers" in params:
+    return True
+  if "layers_0" in params:
+    return False
+  raise ValueError(f"not a Qwen2 params tree (top-level keys: {sorted(params)}).")
 
 
 def _preset(hidden, inter, layers, heads, kv, tie, vocab=151936, **kw):

@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5 decoder in Flax linen, with a pure `forward` and a KV-cache path.
 
-Parameter tree (layers stacked on a leading axis when `config.scan_layers`):
+Parameter tree (layers stacked on a leading axis when `runtime.scan_layers`):
 
   embedding                      [vocab, embed]
   layers/input_norm/scale        [L, embed]
@@ -13,10 +13,14 @@ Parameter tree (layers stacked on a leading axis when `config.scan_layers`):
   final_norm/scale               [embed]
   lm_head                        [embed, vocab]   (absent when embeddings are tied)
 
+Every function takes the architecture (`Qwen2Config`) and, as the keyword
+`runtime`, how to compute it (`Runtime`: dtypes, attention, remat, scan); the
+default runtime is float32 with the plain einsum attention.
+
 Every weight carries logical axis names (`layers`, `vocab`, `embed`, `heads`,
 `kv_heads`, `head_dim`, `mlp`, `norm`) that `mars_jax.sharding` maps to mesh axes.
-Without scan the layers are `layers_0 .. layers_{L-1}` with the same leaves
-minus the leading axis.
+Without scan (`runtime.scan_layers=False`) the layers are `layers_0 .. layers_{L-1}`
+with the same leaves minus the leading axis.
 
 KV cache (see `init_cache`): `{"k", "v"}: [L, b, max_len, kv_heads, head_dim]`.
 A cached call writes the new K/V of token `j` of sample `i` at cache slot
@@ -36,7 +40,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mars_jax.models.config import PRESETS, Qwen2Config, preset  # noqa: F401  (re-exported)
+from mars_jax.models.config import (  # noqa: F401  (re-exported)
+    PRESETS, Qwen2Config, Runtime, preset, scan_layers_of)
 
 Array = jax.Array
 Cache = dict[str, Array]
@@ -56,10 +61,11 @@ def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
 class RMSNorm(nn.Module):
   """y = x / rms(x) * scale, computed in float32 (as HF), cast back to x.dtype."""
   config: Qwen2Config
+  runtime: Runtime = Runtime()
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    scale = _param(self, "scale", (x.shape[-1],), ("norm",), self.config.jnp_param_dtype,
+    scale = _param(self, "scale", (x.shape[-1],), ("norm",), self.runtime.jnp_param_dtype,
                    nn.initializers.ones)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
@@ -106,19 +112,20 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
 
 class Attention(nn.Module):
   config: Qwen2Config
+  runtime: Runtime = Runtime()
 
   def _proj(self, x, name, heads, heads_axis):
-    c = self.config
+    c, rt = self.config, self.runtime
     kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, c.head_dim),
-                    ("embed", heads_axis, "head_dim"), c.jnp_param_dtype)
+                    ("embed", heads_axis, "head_dim"), rt.jnp_param_dtype)
     bias = _param(self, f"{name}_bias", (heads, c.head_dim), (heads_axis, "head_dim"),
-                  c.jnp_param_dtype, nn.initializers.zeros)
-    return (jnp.einsum("bte,ehd->bthd", x, kernel.astype(c.jnp_dtype))
-            + bias.astype(c.jnp_dtype))
+                  rt.jnp_param_dtype, nn.initializers.zeros)
+    return (jnp.einsum("bte,ehd->bthd", x, kernel.astype(rt.jnp_dtype))
+            + bias.astype(rt.jnp_dtype))
 
   @nn.compact
   def __call__(self, x, cos, sin, mask, layer_cache=None, write_index=None):
-    c = self.config
+    c, rt = self.config, self.runtime
     q = apply_rope(self._proj(x, "q", c.num_attention_heads, "heads"), cos, sin)
     k = apply_rope(self._proj(x, "k", c.num_key_value_heads, "kv_heads"), cos, sin)
     v = self._proj(x, "v", c.num_key_value_heads, "kv_heads")
@@ -129,26 +136,27 @@ class Attention(nn.Module):
       v_all = layer_cache["v"].at[rows, write_index].set(v.astype(layer_cache["v"].dtype),
                                                           mode="drop")
       layer_cache = {"k": k_all, "v": v_all}
-      k, v = k_all.astype(c.jnp_dtype), v_all.astype(c.jnp_dtype)
-    out = attention(q, k, v, mask, c.attention_impl)
+      k, v = k_all.astype(rt.jnp_dtype), v_all.astype(rt.jnp_dtype)
+    out = attention(q, k, v, mask, rt.attention_impl)
     o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
-                      ("heads", "head_dim", "embed"), c.jnp_param_dtype)
-    return jnp.einsum("bthd,hde->bte", out, o_kernel.astype(c.jnp_dtype)), layer_cache
+                      ("heads", "head_dim", "embed"), rt.jnp_param_dtype)
+    return jnp.einsum("bthd,hde->bte", out, o_kernel.astype(rt.jnp_dtype)), layer_cache
 
 
 class MLP(nn.Module):
   config: Qwen2Config
+  runtime: Runtime = Runtime()
 
   @nn.compact
   def __call__(self, x):
-    c = self.config
+    c, pdt = self.config, self.runtime.jnp_param_dtype
     gate = _param(self, "gate_kernel", (c.hidden_size, c.intermediate_size),
-                  ("embed", "mlp"), c.jnp_param_dtype)
+                  ("embed", "mlp"), pdt)
     up = _param(self, "up_kernel", (c.hidden_size, c.intermediate_size),
-                ("embed", "mlp"), c.jnp_param_dtype)
+                ("embed", "mlp"), pdt)
     down = _param(self, "down_kernel", (c.intermediate_size, c.hidden_size),
-                  ("mlp", "embed"), c.jnp_param_dtype)
-    dt = c.jnp_dtype
+                  ("mlp", "embed"), pdt)
+    dt = self.runtime.jnp_dtype
     h = nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
     return h @ down.astype(dt)
 
@@ -156,49 +164,52 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   """Pre-norm block. Call signature matches `nn.scan`: (carry, layer_cache) -> (carry, cache)."""
   config: Qwen2Config
+  runtime: Runtime = Runtime()
 
   @nn.compact
   def __call__(self, x, layer_cache, cos, sin, mask, write_index):
-    h, layer_cache = Attention(self.config, name="attn")(
-        RMSNorm(self.config, name="input_norm")(x), cos, sin, mask, layer_cache, write_index)
+    c, rt = self.config, self.runtime
+    h, layer_cache = Attention(c, rt, name="attn")(
+        RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer_cache, write_index)
     x = x + h
-    x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="post_norm")(x))
+    x = x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x))
     return x, layer_cache
 
 
 class Qwen2ForCausalLM(nn.Module):
   config: Qwen2Config
+  runtime: Runtime = Runtime()
 
   def setup(self):
-    c = self.config
+    c, rt = self.config, self.runtime
     self.embedding = self.param(
         "embedding", nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                   ("vocab", "embed")),
-        (c.vocab_size, c.hidden_size), c.jnp_param_dtype)
+        (c.vocab_size, c.hidden_size), rt.jnp_param_dtype)
     layer = DecoderLayer
-    if c.remat != "none":
-      layer = nn.remat(layer, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
-    if c.scan_layers:
+    if rt.remat != "none":
+      layer = nn.remat(layer, policy=_REMAT[rt.remat], prevent_cse=not rt.scan_layers)
+    if rt.scan_layers:
       self.layers = nn.scan(
           layer, variable_axes={"params": 0}, split_rngs={"params": True},
           in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
           length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"},
-      )(c, name="layers")
+      )(c, rt, name="layers")
     else:
-      self.layers = [layer(c, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-    self.final_norm = RMSNorm(c, name="final_norm")
+      self.layers = [layer(c, rt, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+    self.final_norm = RMSNorm(c, rt, name="final_norm")
     if not c.tie_word_embeddings:
       self.lm_head = self.param(
           "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                   ("embed", "vocab")),
-          (c.hidden_size, c.vocab_size), c.jnp_param_dtype)
+          (c.hidden_size, c.vocab_size), rt.jnp_param_dtype)
 
   def hidden(self, tokens, positions, attn_mask, cache=None, write_index=None):
     """Final-normed hidden states [b, t, embed] (compute dtype) and the updated cache."""
     c = self.config
-    x = jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype)
+    x = jnp.take(self.embedding, tokens, axis=0).astype(self.runtime.jnp_dtype)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-    if c.scan_layers:
+    if self.runtime.scan_layers:
       x, cache = self.layers(x, cache, cos, sin, attn_mask, write_index)
     else:
       new = []
@@ -226,32 +237,38 @@ class Qwen2ForCausalLM(nn.Module):
 # ---- pure functional API ---------------------------------------------------------
 
 
+_DEFAULT = Runtime()
+
+
 def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
-            attn_mask: Array) -> Array:
+            attn_mask: Array, *, runtime: Runtime = _DEFAULT) -> Array:
   """Logits of a full (uncached) pass.
 
   tokens, positions: int32[b, t]; attn_mask: bool[b, t, t] (True = may attend)
   -> float32[b, t, vocab].
   """
-  logits, _ = Qwen2ForCausalLM(config).apply({"params": params}, tokens, positions, attn_mask)
+  logits, _ = Qwen2ForCausalLM(config, runtime).apply({"params": params}, tokens, positions,
+                                                       attn_mask)
   return logits
 
 
 def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
-                   attn_mask: Array) -> Array:
+                   attn_mask: Array, *, runtime: Runtime = _DEFAULT) -> Array:
   """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses)."""
-  hidden, _ = Qwen2ForCausalLM(config).apply(
+  hidden, _ = Qwen2ForCausalLM(config, runtime).apply(
       {"params": params}, tokens, positions, attn_mask, method="hidden")
   return hidden
 
 
-def unembed(config: Qwen2Config, params, hidden: Array) -> Array:
+def unembed(config: Qwen2Config, params, hidden: Array, *,
+            runtime: Runtime = _DEFAULT) -> Array:
   """hidden: [..., embed] -> float32 logits [..., vocab] (tied or separate head)."""
-  return Qwen2ForCausalLM(config).apply({"params": params}, hidden, method="unembed")
+  return Qwen2ForCausalLM(config, runtime).apply({"params": params}, hidden, method="unembed")
 
 
 def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
-                   cache: Cache, write_index: Array, attn_mask: Array) -> tuple[Array, Cache]:
+                   cache: Cache, write_index: Array, attn_mask: Array, *,
+                   runtime: Runtime = _DEFAULT) -> tuple[Array, Cache]:
   """One cached step: write K/V of `tokens` into the cache, attend over the cache.
 
   tokens, positions, write_index: int32[b, t] (write_index >= max_len drops the write);
@@ -259,15 +276,17 @@ def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
   attn_mask: bool[b, t, max_len] over cache slots *after* this step's writes.
   -> (float32 logits [b, t, vocab], updated cache).
   """
-  return Qwen2ForCausalLM(config).apply(
+  return Qwen2ForCausalLM(config, runtime).apply(
       {"params": params}, tokens, positions, attn_mask, cache, write_index)
 
 
-def init_cache(config: Qwen2Config, batch: int, max_len: int, dtype=None) -> Cache:
-  """Zeroed KV cache {"k","v"}: [layers, batch, max_len, kv_heads, head_dim]."""
+def init_cache(config: Qwen2Config, batch: int, max_len: int, *,
+               runtime: Runtime = _DEFAULT) -> Cache:
+  """Zeroed KV cache {"k","v"}: [layers, batch, max_len, kv_heads, head_dim], in the
+  runtime's compute dtype."""
   shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
            config.head_dim)
-  dtype = dtype or config.jnp_dtype
+  dtype = runtime.jnp_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -276,24 +295,42 @@ def _dummy_inputs(config: Qwen2Config):
   return tokens, tokens, jnp.ones((1, 1, 1), bool)
 
 
-def abstract_params(config: Qwen2Config, *, boxed: bool = False) -> Any:
+def abstract_params(config: Qwen2Config, *, runtime: Runtime = _DEFAULT,
+                    boxed: bool = False) -> Any:
   """ShapeDtypeStructs of the params, allocating nothing (boxed: with logical axes)."""
-  out = jax.eval_shape(
-      lambda: Qwen2ForCausalLM(config).init(jax.random.key(0), *_dummy_inputs(config)))
+  out = jax.eval_shape(lambda: Qwen2ForCausalLM(config, runtime).init(
+      jax.random.key(0), *_dummy_inputs(config)))
   return out["params"] if boxed else nn.meta.unbox(out["params"])
 
 
-def logical_axes(config: Qwen2Config) -> Any:
+def logical_axes(config: Qwen2Config, *, runtime: Runtime = _DEFAULT) -> Any:
   """Pytree of `PartitionSpec`s of logical axis names, matching the params tree."""
-  return nn.get_partition_spec(abstract_params(config, boxed=True))
+  return nn.get_partition_spec(abstract_params(config, runtime=runtime, boxed=True))
 
 
-def init_params(config: Qwen2Config, rng: Array) -> Any:
+def init_params(config: Qwen2Config, rng: Array, *, runtime: Runtime = _DEFAULT) -> Any:
   """Random params (normal(0.02) weights, zero biases, unit norms)."""
-  variables = Qwen2ForCausalLM(config).init(rng, *_dummy_inputs(config))
+  variables = Qwen2ForCausalLM(config, runtime).init(rng, *_dummy_inputs(config))
   return nn.meta.unbox(variables["params"])
 
 
 def num_params(tree: Any) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(tree))
 
+
+
+def relayout(params: Any, runtime: Runtime) -> Any:
+  """The same weights in `runtime`'s layout: param dtype, and layers stacked
+  (`layers/...`) or unrolled (`layers_0..`) as `runtime.scan_layers` says."""
+  params = jax.tree.map(lambda x: x.astype(runtime.jnp_param_dtype), params)
+  scanned = scan_layers_of(params)
+  if scanned == runtime.scan_layers:
+    return params
+  rest = {k: v for k, v in params.items() if k != "layers" and not k.startswith("layers_")}
+  if scanned:
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], params["layers"])
+                       for i in range(n)}}
+  n = sum(k.startswith("layers_") for k in params)
+  return {**rest, "layers": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                         *[params[f"layers_{i}"] for i in range(n)])}

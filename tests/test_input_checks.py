@@ -1,0 +1,98 @@
+"""Bad input at the edges a user touches fails early with a message that names the fix."""
+
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from mars_jax import evaluate, loading, objective, sampling, serve
+from mars_jax.models.qwen2 import Qwen2Config, init_params
+
+CONFIG = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
+                     eos_token_id=2, tie_word_embeddings=True, max_position_embeddings=32)
+MASK = 63
+
+
+@pytest.mark.parametrize("bad", [-1, 64, 1000])
+@pytest.mark.parametrize("window", [1, 3, "auto"])
+def test_generate_rejects_token_ids_outside_the_vocabulary(bad, window):
+  # params=None: the check runs on the host before anything touches the model
+  with pytest.raises(ValueError, match=rf"prompt 1: token id {bad} is outside the "
+                     r"vocabulary \[0, 64\); encode prompts with the model's own tokenizer"):
+    sampling.generate(CONFIG, None, [[1, 2], [3, bad, 4]], max_new_tokens=4,
+                      mask_token_id=MASK, eos_token_ids=2, window=window)
+
+
+def test_generate_rejects_sequences_past_max_position_embeddings():
+  with pytest.raises(ValueError, match=r"prompt 1: 10 prompt tokens \+ max_new_tokens 23 = 33 "
+                     r"exceeds the model's max_position_embeddings \(32\); lower "
+                     r"max_new_tokens or shorten the prompt"):
+    sampling.generate(CONFIG, None, [[1], [5] * 10], max_new_tokens=23, mask_token_id=MASK,
+                      eos_token_ids=2, window=2)
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    sampling.generate(CONFIG, None, [[1] * 3], max_new_tokens=30, mask_token_id=MASK,
+                      eos_token_ids=2, window="auto")
+  budget = sampling._check_prompts(CONFIG, [[1] * 10, [1]], [22, 31])  # exactly 32: fine
+  assert budget.tolist() == [22, 31]
+
+
+def test_server_rejects_token_ids_outside_the_vocabulary():
+  params = init_params(CONFIG, jax.random.PRNGKey(0))
+  server = serve.Server(CONFIG, params, mask_token_id=MASK, eos_token_ids=(2,), max_len=32)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    server.submit([1, 64], max_new_tokens=4)
+  assert server.idle
+
+
+@pytest.mark.parametrize("mask_id", [64, 100, -1, np.int32(64)])
+def test_objective_rejects_a_mask_id_outside_the_vocabulary(mask_id):
+  # params, batch unused: the check is on static values before the forward
+  with pytest.raises(ValueError, match=r"mask_token_id=-?\d+ is outside the model's vocabulary "
+                     r"\[0, 64\); use the id hf.load_tokenizer returns"):
+    objective.mars_loss(CONFIG, None, None, block_size=4, mask_token_id=mask_id)
+  objective.check_mask_token_id(CONFIG, 63)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_evaluate_num_problems_must_be_positive(value, capsys):
+  with pytest.raises(SystemExit) as e:
+    evaluate.main(["--model", "/nonexistent", "--num-problems", value])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--num-problems" in err and ("must be >= 1" in err or "not an integer" in err)
+
+
+def _run_dir(root, kind, block):
+  d = root / f"run_{kind}"
+  (d / "checkpoints" / "7").mkdir(parents=True)
+  (d / "layout.json").write_text(json.dumps({"objective": {"kind": kind, "block_size": block}}))
+  return str(d)
+
+
+def test_window_above_block_plus_one_warns(tmp_path, caplog):
+  run = _run_dir(tmp_path, "mars", 4)
+  assert loading.trained_block_size(run) == 4
+  assert loading.trained_block_size(run + "/checkpoints/7") == 4
+  with caplog.at_level(logging.WARNING, logger="mars_jax.loading"):
+    loading.warn_untrained_windows(run, [1, 4, 5])
+    assert not caplog.records
+    loading.warn_untrained_windows(run, [1, 6, 8])
+  [record] = caplog.records
+  assert record.levelno == logging.WARNING
+  msg = record.getMessage()
+  assert "window 6,8 > block size + 1 = 5" in msg and "B=4" in msg and "<= 5" in msg
+
+
+def test_window_check_skips_models_without_a_record(tmp_path, caplog):
+  ar = _run_dir(tmp_path, "ar_sft", 4)
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text("{}")  # an HF directory without a mars_jax marker
+  with caplog.at_level(logging.WARNING, logger="mars_jax.loading"):
+    for path in (ar, str(hf_dir), str(tmp_path / "missing")):
+      assert loading.trained_block_size(path) is None
+      loading.warn_untrained_windows(path, [16])
+  assert not caplog.records

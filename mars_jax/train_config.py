@@ -19,7 +19,8 @@ anything is compiled.
   data.*            mars_jax.data.default_config()
   mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
   train.*           batch_size (global), micro_batches, steps (None: from data epochs),
-                    seed, log_every, eval_every, eval_batches, checkpoint_every,
+                    seed, log_every, eval_every, eval_batches (0: no eval loss; a
+                    file source without data.num_eval has none), checkpoint_every,
                     max_to_keep, async_checkpoint, export_hf, export_dtype,
                     stop_at_step (end this invocation early, checkpointed, as a
                     preemption would; a rerun resumes)
@@ -106,6 +107,9 @@ def validate(cfg) -> None:
   for name in ("log_every", "eval_every", "checkpoint_every", "max_to_keep"):
     if cfg.train[name] < 1:
       raise ValueError(f"train.{name}={cfg.train[name]}; must be >= 1.")
+  if cfg.train.eval_batches < 0:
+    raise ValueError(f"train.eval_batches={cfg.train.eval_batches}; must be >= 0 (0: no "
+                     "eval loss).")
   if cfg.model.init == "random":
     random_model_config(cfg)
   else:

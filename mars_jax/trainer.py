@@ -126,9 +126,6 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   `init_params` (None: random init) must be in `runtime`'s layout."""
   t0 = time.time()
   nproc, pid = jax.process_count(), jax.process_index()
-  if cfg.train.eval_batches < 0:
-    raise ValueError(f"train.eval_batches={cfg.train.eval_batches}; must be >= 0 (0: no "
-                     "eval loss).")
   data = load_data(cfg.data, tokenizer)
   if pid == 0:
     print(f"[{os.path.basename(run_dir)}] {data.stats.summary()}", flush=True)  # starts "data:"

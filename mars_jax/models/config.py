@@ -1,8 +1,10 @@
-"""Qwen2 / Qwen2.5 model configuration: HF config.json in and out, published presets.
+"""Qwen2 / Qwen2.5 and Qwen3 (dense) model configuration: HF config.json in and out,
+published presets.
 
 Two frozen (hashable) dataclasses, both usable as static arguments of `jax.jit`:
 
-  Qwen2Config  the architecture, exactly what `config.json` holds;
+  Qwen2Config  the architecture, exactly what `config.json` holds, for either family
+               (`model_type` "qwen2" or "qwen3"; see `Family` and docs/models.md);
   Runtime      how the same weights are stored and computed (parameter dtype,
                compute dtype, attention implementation, remat, scanned layers).
 
@@ -20,16 +22,50 @@ from typing import Any
 
 import jax.numpy as jnp
 
-ARCHITECTURE = "Qwen2ForCausalLM"
-MODEL_TYPE = "qwen2"
 ATTENTION_IMPLS = ("xla", "dot_product_attention", "cudnn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
+class Family:
+  """What sets a model family apart from the shared decoder (see docs/models.md).
+
+  model_type, architecture: the names HF's config.json carries; title: for messages.
+  attention_bias: the q/k/v projections carry biases.
+  qk_norm: an RMSNorm over head_dim on each head's queries and keys, before RoPE.
+  default_head_dim: head_dim when config.json omits it (None: hidden / heads), as
+    transformers' config class of the family defaults it.
+  reads_attention_bias: the family's transformers config has an `attention_bias`
+    key (Qwen3 does; Qwen2 hard-codes its biases and has none).
+  """
+
+  model_type: str
+  architecture: str
+  title: str
+  attention_bias: bool
+  qk_norm: bool
+  default_head_dim: int | None
+  reads_attention_bias: bool
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen2 / Qwen2.5", attention_bias=True,
+           qk_norm=False, default_head_dim=None, reads_attention_bias=False),
+    Family("qwen3", "Qwen3ForCausalLM", "Qwen3 dense", attention_bias=False,
+           qk_norm=True, default_head_dim=128, reads_attention_bias=True),
+)}
+
+
+def _supported() -> str:
+  return ", ".join(f"{f.model_type!r} ({f.architecture}: {f.title})"
+                   for f in FAMILIES.values())
+
+
+@dataclasses.dataclass(frozen=True)
 class Qwen2Config:
-  """Shapes of a Qwen2 decoder, as in Hugging Face's `config.json` (nothing else)."""
+  """Shapes of a Qwen2 or Qwen3 decoder, as in Hugging Face's `config.json` (nothing
+  else). `model_type` picks the family; head_dim None means the family's default."""
 
   vocab_size: int
   hidden_size: int
@@ -44,8 +80,13 @@ class Qwen2Config:
   tie_word_embeddings: bool = False
   bos_token_id: int | None = 151643
   eos_token_id: int | tuple[int, ...] | None = 151645
+  model_type: str = "qwen2"
 
   def __post_init__(self):
+    if self.model_type not in FAMILIES:
+      raise ValueError(f"model_type={self.model_type!r}; supported: {_supported()}.")
+    if self.head_dim is None and self.family.default_head_dim is not None:
+      object.__setattr__(self, "head_dim", self.family.default_head_dim)
     if self.head_dim is None:
       if self.hidden_size % self.num_attention_heads:
         raise ValueError(
@@ -58,6 +99,18 @@ class Qwen2Config:
           f"num_key_value_heads {self.num_key_value_heads}.")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+  @property
+  def family(self) -> Family:
+    return FAMILIES[self.model_type]
+
+  @property
+  def attention_bias(self) -> bool:
+    return self.family.attention_bias
+
+  @property
+  def qk_norm(self) -> bool:
+    return self.family.qk_norm
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -76,24 +129,34 @@ class Qwen2Config:
   def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> "Qwen2Config":
     """Builds a config from an HF config dict (transformers 4 or 5 layout).
 
-    `architectures` must name Qwen2ForCausalLM and `model_type` must be "qwen2", as
-    transformers' `save_pretrained` writes them for a Qwen2 checkpoint."""
+    `model_type` must name a supported family ("qwen2" or "qwen3") and `architectures`
+    its causal LM (Qwen2ForCausalLM, Qwen3ForCausalLM), as transformers'
+    `save_pretrained` writes them."""
     model_type = d.get("model_type")
+    family = FAMILIES.get(model_type)
     archs = d.get("architectures")
     if not archs:
+      hint = (f"[\"{family.architecture}\"] if this is a {family.title} checkpoint"
+              if family else " or ".join(f"[\"{f.architecture}\"] ({f.title})"
+                                         for f in FAMILIES.values()))
       raise ValueError(
           f"{source}: no 'architectures' entry, so it is not known which model these "
-          f"weights are for. Add \"architectures\": [\"{ARCHITECTURE}\"] if this is a "
-          "Qwen2 checkpoint, or re-save it with transformers' save_pretrained.")
-    if model_type != MODEL_TYPE or ARCHITECTURE not in archs:
+          f"weights are for. Add \"architectures\": {hint}, or re-save it with "
+          "transformers' save_pretrained.")
+    if family is None or family.architecture not in archs:
       raise ValueError(
           f"{source}: model_type={model_type!r}, architectures={archs}; mars_jax supports "
-          f"model_type {MODEL_TYPE!r} ({ARCHITECTURE}: Qwen2 / Qwen2.5) only. Point "
-          "--config.model.init / --model at a Qwen2 checkpoint directory.")
+          f"model_type {_supported()} only. Point --config.model.init / --model at such a "
+          "checkpoint directory.")
+    bias = d.get("attention_bias", False) if family.reads_attention_bias else family.attention_bias
+    if bias != family.attention_bias:
+      raise ValueError(f"{source}: attention_bias={bias!r} is not supported; "
+                       f"{family.title} checkpoints ship with attention_bias="
+                       f"{family.attention_bias}.")
     act = d.get("hidden_act", "silu")
     if act != "silu":
-      raise ValueError(f"{source}: hidden_act={act!r} is not supported; Qwen2 uses 'silu' "
-                       "(SwiGLU). This checkpoint is not a standard Qwen2.")
+      raise ValueError(f"{source}: hidden_act={act!r} is not supported; {family.title} uses "
+                       f"'silu' (SwiGLU). This checkpoint is not a standard {family.title}.")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
@@ -101,7 +164,7 @@ class Qwen2Config:
                        "default RoPE (no scaling) is implemented.")
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     if d.get("use_sliding_window", False):
-      raise ValueError(f"{source}: use_sliding_window=true is not supported; Qwen2.5 "
+      raise ValueError(f"{source}: use_sliding_window=true is not supported; {family.title} "
                        "checkpoints ship with it disabled.")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                            "num_hidden_layers", "num_attention_heads") if k not in d]
@@ -121,6 +184,7 @@ class Qwen2Config:
         tie_word_embeddings=d.get("tie_word_embeddings", False),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
+        model_type=model_type,
     )
 
   @classmethod
@@ -135,11 +199,13 @@ class Qwen2Config:
     return cls.from_hf_dict(d, source=path)
 
   def to_hf_dict(self, *, torch_dtype: str = "float32") -> dict[str, Any]:
-    """The config.json transformers writes for Qwen2ForCausalLM (both rope keys)."""
+    """The config.json transformers writes for the family's causal LM (both rope keys;
+    `attention_bias` where the family's transformers config has it)."""
     eos = self.eos_token_id
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+    family = self.family
+    out = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size,
         "intermediate_size": self.intermediate_size,
@@ -160,6 +226,9 @@ class Qwen2Config:
         "dtype": torch_dtype,
         "use_cache": True,
     }
+    if family.reads_attention_bias:
+      out["attention_bias"] = family.attention_bias
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +278,7 @@ def scan_layers_of(params: Any) -> bool:
     return True
   if "layers_0" in params:
     return False
-  raise ValueError(f"not a Qwen2 params tree (top-level keys: {sorted(params)}).")
+  raise ValueError(f"not a mars_jax params tree (top-level keys: {sorted(params)}).")
 
 
 def _preset(hidden, inter, layers, heads, kv, tie, vocab=151936, **kw):
@@ -218,7 +287,12 @@ def _preset(hidden, inter, layers, heads, kv, tie, vocab=151936, **kw):
               num_key_value_heads=kv, tie_word_embeddings=tie, **kw)
 
 
-# Shapes of the published Qwen2.5-*-Instruct config.json files.
+def _qwen3(hidden, inter, layers, heads, kv, tie):
+  return _preset(hidden, inter, layers, heads, kv, tie, model_type="qwen3", head_dim=128,
+                 max_position_embeddings=40960)
+
+
+# Shapes of the published Qwen2.5-*-Instruct and Qwen3-* config.json files.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _preset(896, 4864, 24, 14, 2, True),
     "qwen2.5-1.5b": _preset(1536, 8960, 28, 12, 2, True),
@@ -227,11 +301,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-14b": _preset(5120, 13824, 48, 40, 8, False, vocab=152064),
     "qwen2.5-32b": _preset(5120, 27648, 64, 40, 8, False, vocab=152064),
     "qwen2.5-72b": _preset(8192, 29568, 80, 64, 8, False, vocab=152064),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8, False),
 }
 
 
 def preset(name: str, **overrides) -> Qwen2Config:
-  """A published Qwen2.5 shape by name (e.g. "qwen2.5-7b"), with overrides."""
+  """A published Qwen2.5 or Qwen3 shape by name (e.g. "qwen2.5-7b", "qwen3-8b"), with
+  overrides."""
   key = name.lower()
   if key not in PRESETS:
     raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")

@@ -1,0 +1,159 @@
+"""The user's path end to end, each CLI run in a subprocess as a user types it.
+
+From a tiny Qwen2 checkpoint that transformers wrote (with a trained byte-level BPE
+tokenizer and ChatML template, tests/user_path_fixtures.py) and a chat JSONL:
+stage 1 with the shipped 0.5B AR-SFT config, stage 2 with the shipped MARS config
+from it (only size overrides: bfloat16 compute as shipped), the export, and the
+generate and evaluate CLIs on the export. The exported weights must give
+transformers the logits mars_jax computes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import user_path_fixtures as fx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Size and length only: every other field (bfloat16 compute over float32 weights, B=4,
+# micro-batches, the held-out eval slice, lr schedule, HF export) is the shipped config's.
+SIZE = ["--config.train.batch_size=8", "--config.train.steps=3",
+        "--config.data.max_length=96", "--config.data.num_eval=8"]
+TIMINGS: dict = {}
+
+
+def cli(module, *args, timeout=300):
+  """`python -m module args...` in the repository root, as a user runs it."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  t0 = time.time()
+  r = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=timeout)
+  TIMINGS.setdefault(module, []).append(round(time.time() - t0, 1))
+  if r.returncode != 0:
+    raise AssertionError(f"python -m {module} {' '.join(args)} exited {r.returncode}:\n"
+                         f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+  return r
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+  """Files of the whole path: the HF checkpoint, data, both runs and the export."""
+  tmp = tmp_path_factory.mktemp("user")
+  train = fx.task_records(240, seed=0)
+  test = fx.task_records(8, seed=0, split="test")
+  paths = {
+      "hf": fx.make_qwen2_checkpoint(tmp / "Qwen2-tiny", texts=fx.task_texts(train)),
+      "chat": fx.write_chat_jsonl(tmp / "chat.jsonl", train),
+      "gsm8k": fx.write_gsm8k_jsonl(tmp / "test.jsonl", test),
+      "sft": str(tmp / "runs" / "sft"), "mars": str(tmp / "runs" / "mars"),
+      "out": str(tmp / "export"), "eval": str(tmp / "eval"),
+      "question": test[0]["question"],
+  }
+  paths["stage1"] = cli("mars_jax.train", "--config", "configs/qwen2_5_0_5b_ar_sft.py",
+                        "--workdir", paths["sft"], f"--config.model.init={paths['hf']}",
+                        f"--config.data.source={paths['chat']}", *SIZE).stdout
+  paths["stage2"] = cli("mars_jax.train", "--config", "configs/qwen2_5_0_5b_mars.py",
+                        "--workdir", paths["mars"], f"--config.model.init={paths['sft']}",
+                        f"--config.data.source={paths['chat']}", *SIZE).stdout
+  paths["export_log"] = cli("mars_jax.export", "--checkpoint", paths["mars"],
+                            "--out", paths["out"]).stdout
+  yield paths
+  print(f"\nuser path CLI wall seconds: {TIMINGS}")
+
+
+def _metrics(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_fixture_tokenizer_is_what_transformers_loads(user):
+  """The checkpoint's tokenizer, reloaded by AutoTokenizer, is the ChatML BPE it was
+  trained as, and the model has spare rows past it for <|mask|>."""
+  import transformers
+  tok = transformers.AutoTokenizer.from_pretrained(user["hf"])
+  cfg = transformers.AutoConfig.from_pretrained(user["hf"])
+  assert tok.eos_token == fx.IM_END and tok.pad_token == fx.PAD_TOKEN
+  assert cfg.eos_token_id == tok.convert_tokens_to_ids(fx.IM_END)
+  assert len(tok) < cfg.vocab_size
+  chat = [{"role": "user", "content": "2+3?"}]
+  assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+      "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n")
+  text = "Ann has 12 cups, gets 7.\n#### 19"
+  assert tok.decode(tok(text).input_ids) == text
+  assert len(tok(text).input_ids) < len(text)      # merges were learned
+
+
+def test_both_stages_train_and_record_their_layout(user):
+  for stage, kind in (("sft", "ar_sft"), ("mars", "mars")):
+    rows = _metrics(user[stage])
+    assert rows and rows[-1]["step"] == 3
+    assert np.isfinite(rows[-1]["loss"]) and np.isfinite(rows[-1]["eval_loss"])
+    with open(os.path.join(user[stage], "layout.json")) as f:
+      layout = json.load(f)
+    assert layout["objective"]["kind"] == kind
+    assert layout["runtime"]["dtype"] == "bfloat16"         # the shipped compute dtype
+    assert layout["runtime"]["param_dtype"] == "float32"
+    assert layout["model"]["vocab_size"] == json.load(
+        open(os.path.join(user["hf"], "config.json")))["vocab_size"]
+  assert "ce_mask" in _metrics(user["mars"])[-1]
+  assert f"{user['mars']} -> {user['out']}" in user["export_log"]
+
+
+def test_export_matches_transformers_and_knows_the_mask_token(user):
+  import jax
+  import jax.numpy as jnp
+  import torch
+  import transformers
+  from mars_jax import checkpoint, hf
+  from mars_jax.models import qwen2
+
+  tok = transformers.AutoTokenizer.from_pretrained(user["out"])
+  base = transformers.AutoTokenizer.from_pretrained(user["hf"])
+  assert hf.MASK_TOKEN in tok.get_vocab()
+  mask_id = tok.convert_tokens_to_ids(hf.MASK_TOKEN)
+  model = transformers.AutoModelForCausalLM.from_pretrained(user["out"],
+                                                            dtype=torch.float32).eval()
+  assert len(base) <= mask_id < model.config.vocab_size
+  config, params = hf.load_pretrained(user["out"])
+  *_, trained = checkpoint.load_params(user["mars"])     # the run's last step, float32
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(trained), jax.device_get(params))
+  rng = np.random.default_rng(0)
+  prompt = tok.apply_chat_template([{"role": "user", "content": user["question"]}],
+                                   tokenize=False, add_generation_prompt=True)
+  ids = np.stack([tok(prompt, add_special_tokens=False).input_ids[:16],
+                  rng.integers(0, model.config.vocab_size, 16)]).astype(np.int32)
+  ids[1, 5] = mask_id
+  t = ids.shape[1]
+  ours = qwen2.forward(config, params, jnp.asarray(ids),
+                       jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), ids.shape),
+                       jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (2, t, t)))
+  with torch.no_grad():
+    ref = model(torch.from_numpy(ids).long()).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=0)
+
+
+def test_generate_cli_on_the_export(user):
+  r = cli("mars_jax.generate", "--model", user["out"], "--prompt", user["question"],
+          "--window", "4", "--tau", "0.9", "--max-new-tokens", "12")
+  assert "=== [0]" in r.stdout and "tokens/forward" in r.stdout, r.stdout
+
+
+def test_evaluate_cli_on_the_export(user):
+  r = cli("mars_jax.evaluate", "--model", user["out"], "--task", user["gsm8k"],
+          "--num-problems", "8", "--taus", "0.9", "--windows", "1,4",
+          "--metrics", "probability", "--batch-size", "8", "--max-new-tokens", "12",
+          "--out", user["eval"])
+  lines = r.stdout.splitlines()
+  assert any("tok/fwd" in line for line in lines), r.stdout
+  rows = [line.split() for line in lines if line.startswith("probability")]
+  assert [(row[1], row[2]) for row in rows] == [("1", "1.00"), ("4", "0.90")], r.stdout
+  assert float(rows[0][4]) == 1.0 and rows[0][5] == "8"      # AR: one token per forward
+  assert 1.0 <= float(rows[1][4]) <= 4.0
+  with open(os.path.join(user["eval"], "results.json")) as f:
+    assert len(json.load(f)["rows"]) == 2

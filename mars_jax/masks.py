@@ -4,7 +4,7 @@ Pure functions, arrays in and arrays out. The two-stream layout concatenates the
 clean stream (positions 0..L-1 of the concatenation) and the noisy stream
 (positions L..2L-1); both carry the same RoPE positions 0..L-1. Rules, for a
 query `i` and key `j` with in-stream positions `p` and blocks `blk = p // B`
-(DESIGN.md §1):
+(docs/design.md):
 
   clean -> clean   p(j) <= p(i)                          (plain causal)
   noisy -> noisy   blk(j) == blk(i) and p(j) <= p(i)     ("causal" intra-block)

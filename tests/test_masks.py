@@ -1,4 +1,4 @@
-"""Every mask equals a naive double loop over DESIGN.md §1's table."""
+"""Every mask equals a naive double loop over the table in docs/design.md."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from mars_jax import masks
 
 
 def naive_two_stream(positions, segment_ids, block_size, intra_block):
-  """The DESIGN table, one (query, key) pair at a time, over [clean | noisy]."""
+  """The table of docs/design.md, one (query, key) pair at a time, over [clean | noisy]."""
   length = len(positions)
   out = np.zeros((2 * length, 2 * length), bool)
   for i in range(2 * length):

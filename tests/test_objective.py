@@ -78,7 +78,7 @@ def ce(logits, labels):
 
 def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causal",
                        normalization="sequence"):
-  """DESIGN §1 with plain forward passes: the clean stream alone, and for each block k
+  """docs/design.md with plain forward passes: the clean stream alone, and for each block k
   the clean tokens of blocks < k followed by the noisy tokens of block k.
 
   The passes are stacked as rows of one forward call (each row right-padded to L,

@@ -76,6 +76,17 @@ def test_resume_is_exact(straight, tmp_path):
   assert_bitwise(params_of(d), params_of(straight))
 
 
+def test_resume_keeps_the_recorded_precision(straight):
+  """layout.json records the runtime; continuing the run at another compute dtype is
+  refused (it would silently change what the run trains at)."""
+  with open(os.path.join(straight, "layout.json")) as f:
+    runtime = json.load(f)["runtime"]
+  assert runtime["dtype"] == "float32" and runtime["scan_layers"] is True
+  r = train(straight, "--config.train.steps=7", "--config.model.dtype=bfloat16", check=False)
+  assert r.returncode != 0
+  assert "runtime.dtype: checkpoint has 'float32', config asks 'bfloat16'" in r.stderr
+
+
 def test_sigkill_leaves_a_restorable_checkpoint(straight, tmp_path):
   d = str(tmp_path / "killed")
   proc = train(d, "--config.train.steps=6", "--config.train.checkpoint_every=1",

@@ -234,6 +234,14 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--out", default=None, help="directory for results.json and pareto.png")
   args = p.parse_args(argv)
+  try:
+    run(args)
+  except (ValueError, FileNotFoundError) as e:  # bad input: the message, no traceback
+    p.exit(2, f"{p.prog}: error: {e}\n")
+
+
+def run(args) -> None:
+  """The command on parsed arguments (see `main`)."""
   flags = {"seed": args.seed, "test_fraction": args.test_fraction,
            "difficulty": args.difficulty}
   task_info = None
@@ -255,7 +263,7 @@ def main(argv=None) -> None:
   else:
     given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
     if given:
-      p.error(f"{', '.join(given)} apply to --task synthetic only.")
+      raise ValueError(f"{', '.join(given)} apply to --task synthetic only.")
     problems = load_problems(args.task, args.num_problems or 500)
   model = load_model(args.model)
   windows = [int(w) for w in args.windows.split(",")]

@@ -74,7 +74,14 @@ def main(argv=None) -> None:
                  help="weights and compute dtype (default: float32 for an HF directory, "
                       "the run's own for a training run)")
   args = p.parse_args(argv)
+  try:
+    run(args)
+  except (ValueError, FileNotFoundError) as e:  # bad input: the message, no traceback
+    p.exit(2, f"{p.prog}: error: {e}\n")
 
+
+def run(args) -> None:
+  """The command on parsed arguments (see `main`)."""
   window = args.window if args.window == "auto" else int(args.window)
   runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
   model = load_model(args.model, runtime=runtime)

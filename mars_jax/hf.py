@@ -1,10 +1,12 @@
 """Hugging Face import and export: config.json, safetensors (single or sharded), tokenizer.
 
-Weight mapping (HF `Qwen2ForCausalLM` -> mars_jax params, see models/qwen2.py):
+Weight mapping (HF `Qwen2ForCausalLM` / `Qwen3ForCausalLM` -> mars_jax params, see
+models/qwen2.py):
 
   model.embed_tokens.weight [V, D]                   -> embedding [V, D]
   model.layers.N.self_attn.{q,k,v}_proj.weight [H*d, D] -> layers/attn/{q,k,v}_kernel [N, D, H, d]
-  model.layers.N.self_attn.{q,k,v}_proj.bias [H*d]   -> layers/attn/{q,k,v}_bias [N, H, d]
+  model.layers.N.self_attn.{q,k,v}_proj.bias [H*d]   -> layers/attn/{q,k,v}_bias [N, H, d]  (Qwen2)
+  model.layers.N.self_attn.{q,k}_norm.weight [d]     -> layers/attn/{q,k}_norm/scale [N, d] (Qwen3)
   model.layers.N.self_attn.o_proj.weight [D, H*d]    -> layers/attn/o_kernel [N, H, d, D]
   model.layers.N.mlp.{gate,up}_proj.weight [I, D]    -> layers/mlp/{gate,up}_kernel [N, D, I]
   model.layers.N.mlp.down_proj.weight [D, I]         -> layers/mlp/down_kernel [N, I, D]
@@ -52,18 +54,28 @@ class _Entry:
     return "{i}" in self.hf
 
 
-def _qkv(name: str, heads: Callable[[Qwen2Config], int]) -> list[_Entry]:
+def _qkv(name: str, heads: Callable[[Qwen2Config], int], bias: bool) -> list[_Entry]:
+  """The projection `name` (q, k or v): its kernel, and its bias when `bias` (Qwen2)."""
   proj = f"model.layers.{{i}}.self_attn.{name}_proj"
-  return [
-      _Entry(f"{proj}.weight", ("layers", "attn", f"{name}_kernel"),
-             lambda c: (heads(c) * c.head_dim, c.hidden_size),
-             lambda w, c: w.T.reshape(c.hidden_size, heads(c), c.head_dim),
-             lambda w, c: w.reshape(c.hidden_size, -1).T),
-      _Entry(f"{proj}.bias", ("layers", "attn", f"{name}_bias"),
-             lambda c: (heads(c) * c.head_dim,),
-             lambda w, c: w.reshape(heads(c), c.head_dim),
-             lambda w, c: w.reshape(-1)),
-  ]
+  out = [_Entry(f"{proj}.weight", ("layers", "attn", f"{name}_kernel"),
+                lambda c: (heads(c) * c.head_dim, c.hidden_size),
+                lambda w, c: w.T.reshape(c.hidden_size, heads(c), c.head_dim),
+                lambda w, c: w.reshape(c.hidden_size, -1).T)]
+  if bias:
+    out.append(_Entry(f"{proj}.bias", ("layers", "attn", f"{name}_bias"),
+                      lambda c: (heads(c) * c.head_dim,),
+                      lambda w, c: w.reshape(heads(c), c.head_dim),
+                      lambda w, c: w.reshape(-1)))
+  return out
+
+
+def _qk_norms(config: Qwen2Config) -> list[_Entry]:
+  """Qwen3's per-head query and key RMSNorm scales [head_dim] (none for Qwen2)."""
+  if not config.qk_norm:
+    return []
+  return [_same(f"model.layers.{{i}}.self_attn.{name}_norm.weight",
+                ("layers", "attn", f"{name}_norm", "scale"), lambda c: (c.head_dim,))
+          for name in ("q", "k")]
 
 
 def _linear(hf: str, path: tuple[str, ...], out_dim, in_dim) -> _Entry:
@@ -85,13 +97,14 @@ def _entries(config: Qwen2Config) -> list[_Entry]:
   out += [
       _same(f"{layer}.input_layernorm.weight", ("layers", "input_norm", "scale"),
             lambda c: (c.hidden_size,)),
-      *_qkv("q", lambda c: c.num_attention_heads),
-      *_qkv("k", lambda c: c.num_key_value_heads),
-      *_qkv("v", lambda c: c.num_key_value_heads),
+      *_qkv("q", lambda c: c.num_attention_heads, config.attention_bias),
+      *_qkv("k", lambda c: c.num_key_value_heads, config.attention_bias),
+      *_qkv("v", lambda c: c.num_key_value_heads, config.attention_bias),
       _Entry(f"{layer}.self_attn.o_proj.weight", ("layers", "attn", "o_kernel"),
              lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
              lambda w, c: w.T.reshape(c.num_attention_heads, c.head_dim, c.hidden_size),
              lambda w, c: w.reshape(-1, c.hidden_size).T),
+      *_qk_norms(config),
       _same(f"{layer}.post_attention_layernorm.weight", ("layers", "post_norm", "scale"),
             lambda c: (c.hidden_size,)),
       _linear(f"{layer}.mlp.gate_proj.weight", ("layers", "mlp", "gate_kernel"), i, d),
@@ -150,7 +163,7 @@ def _weight_files(path: str) -> dict[str, str]:
 
 def load_pretrained(path: str, *, dtype=jnp.float32, scan_layers: bool = True
                     ) -> tuple[Qwen2Config, Any]:
-  """Loads a local HF Qwen2 directory -> (config, params).
+  """Loads a local HF Qwen2 or Qwen3 directory -> (config, params).
 
   `dtype`: the params' dtype (a `Runtime.param_dtype`); `scan_layers`: stacked
   layers (`layers/...`) or unrolled (`layers_0..`), as the `Runtime` that will
@@ -205,8 +218,8 @@ def load_pretrained(path: str, *, dtype=jnp.float32, scan_layers: bool = True
                  and not (n == "lm_head.weight" and config.tie_word_embeddings))
   if extra:
     raise ValueError(f"{path}: unexpected tensors {extra[:5]}{'...' if len(extra) > 5 else ''}"
-                     f" not used by {config.num_hidden_layers}-layer Qwen2; config.json and "
-                     "the weights disagree.")
+                     f" not used by {config.num_hidden_layers}-layer {config.family.title}; "
+                     "config.json and the weights disagree.")
   return config, params
 
 
@@ -249,7 +262,8 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
                     max_shard_size: int | str = "5GB", dtype: str | None = None,
                     progress: bool = False, overwrite: bool = False,
                     source: dict | None = None) -> None:
-  """Writes an HF directory loadable by `Qwen2ForCausalLM.from_pretrained`.
+  """Writes an HF directory loadable by `Qwen2ForCausalLM` / `Qwen3ForCausalLM` (the
+  config's family) `.from_pretrained`.
 
   `path` must be new, an empty directory, or (with `overwrite=True`) an earlier
   mars_jax export: every export holds `EXPORT_MARKER` (what was exported: dtype,

@@ -7,7 +7,7 @@ anything is compiled.
 
   model.init        "random" (preset + overrides), an HF directory, or an earlier
                     run's directory (stage 2 from stage 1: its latest checkpoint)
-  model.preset      Qwen2.5 shape for random init ("qwen2.5-0.5b", ...)
+  model.preset      Qwen2.5 or Qwen3 shape for random init ("qwen2.5-0.5b", "qwen3-0.6b", ...)
   model.overrides   Qwen2Config fields over the preset (a tiny model for CPU)
   model.dtype, model.param_dtype, model.attention_impl, model.remat, model.scan_layers
                     the `Runtime` (mars_jax.models.config): how the model is stored
@@ -134,7 +134,7 @@ def runtime(cfg) -> qwen2.Runtime:
 
 def paper_config(*, model_dir: str, kind: str, fsdp: int, micro_batches: int,
                  remat: str) -> ml_collections.ConfigDict:
-  """The paper's recipe on a real Qwen2.5-Instruct checkpoint: 5 epochs, lr 5e-6, warmup
+  """The paper's recipe on a real Qwen2.5-Instruct or Qwen3 checkpoint: 5 epochs, lr 5e-6, warmup
   0.03 then cosine, effective batch 384, length 512, B=4, ar_weight 1; bfloat16 compute
   over float32 master weights. `model_dir` and `data.source` are local paths (override
   them on the command line); stage 2 (`kind="mars"`) starts from the stage-1 run dir."""

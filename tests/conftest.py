@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen2 checkpoints written by transformers itself."""
+"""Shared fixtures: tiny random Qwen2 and Qwen3 checkpoints written by transformers itself."""
 
 import os
 
@@ -10,20 +10,28 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def make_hf_model(path, *, tie=True, num_kv_heads=2, num_heads=4, hidden=64, layers=2,
-                  vocab=128, intermediate=96, seed=0, rope_theta=10000.0):
-  """Saves a random `Qwen2ForCausalLM` (transformers' own init) to `path`; returns it."""
+def make_hf_model(path, *, family="qwen2", tie=True, num_kv_heads=2, num_heads=4, hidden=64,
+                  layers=2, vocab=128, intermediate=96, seed=0, rope_theta=10000.0,
+                  head_dim=None):
+  """Saves a random `Qwen2ForCausalLM` or `Qwen3ForCausalLM` (family "qwen2" | "qwen3",
+  transformers' own init) to `path`; returns it. head_dim None: the transformers config
+  class's default (Qwen2: hidden / heads, Qwen3: 128)."""
   import torch
   import transformers
 
+  config_cls, model_cls = {
+      "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+      "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
   torch.manual_seed(seed)
-  cfg = transformers.Qwen2Config(
+  cfg = config_cls(
       vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
       num_hidden_layers=layers, num_attention_heads=num_heads,
       num_key_value_heads=num_kv_heads, max_position_embeddings=256,
-      rope_theta=rope_theta, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
-  model = transformers.Qwen2ForCausalLM(cfg).eval()
-  # transformers initialises biases to zero; make them random so a bias bug shows.
+      rope_theta=rope_theta, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+      **({} if head_dim is None else {"head_dim": head_dim}))
+  model = model_cls(cfg).eval()
+  # transformers initialises biases to zero and norms to one; make them random so a
+  # bias or norm bug shows (Qwen3's per-head q_norm / k_norm included).
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("bias") or "norm" in name:

@@ -26,23 +26,33 @@ def _causal_forward(config, params, tokens):
   return np.asarray(qwen2.forward(config, params, tokens, positions, mask))
 
 
+QWEN3 = {"family": "qwen3", "head_dim": 24}  # hf_tiny kwargs: head_dim != hidden / heads
+FAMILIES = {"qwen2": {}, "qwen3": QWEN3}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tie", [True, False])
-def test_export_loads_in_transformers(hf_tiny, tmp_path, tie):
-  path, _ = hf_tiny(tie=tie)
+def test_export_loads_in_transformers(hf_tiny, tmp_path, tie, family):
+  path, _ = hf_tiny(tie=tie, **FAMILIES[family])
   config, params = hf.load_pretrained(path)
   out = str(tmp_path / "export")
   hf.save_pretrained(config, params, out)
-  assert ("lm_head.weight" in hf.st.SafetensorsFile(os.path.join(out, "model.safetensors"))
-          .keys()) == (not tie)
-  model = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
+  names = set(hf.st.SafetensorsFile(os.path.join(out, "model.safetensors")).keys())
+  assert names == set(hf.st.SafetensorsFile(os.path.join(path, "model.safetensors")).keys())
+  assert ("lm_head.weight" in names) == (not tie)
+  assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
+  assert ("model.layers.1.self_attn.k_norm.weight" in names) == (family == "qwen3")
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(model).__name__ == config.family.architecture
   tokens = np.random.default_rng(0).integers(0, 128, (2, 10)).astype(np.int32)
   np.testing.assert_allclose(_logits_torch(model, tokens),
                              _causal_forward(config, params, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("scan", [True, False])
-def test_save_load_bitwise(hf_tiny, tmp_path, scan):
-  path, _ = hf_tiny(tie=False)
+def test_save_load_bitwise(hf_tiny, tmp_path, scan, family):
+  path, _ = hf_tiny(tie=False, **FAMILIES[family])
   config, params = hf.load_pretrained(path, scan_layers=scan)
   out = str(tmp_path / "rt")
   hf.save_pretrained(config, params, out)
@@ -95,6 +105,28 @@ def test_config_accepts_rope_theta_and_rope_parameters(hf_tiny, tmp_path):
   assert rt == old_style
 
 
+def test_qwen3_config_json_in_and_out(hf_tiny):
+  """transformers' Qwen3 config.json -> ours -> config.json that transformers reads back
+  the same; a Qwen3 config.json without head_dim means transformers' default, 128."""
+  path, model = hf_tiny(tie=False, **QWEN3)
+  d = json.load(open(os.path.join(path, "config.json")))
+  config = qwen2.Qwen2Config.from_hf_dict(d)
+  assert (config.model_type, config.head_dim, config.qk_norm, config.attention_bias) == (
+      "qwen3", 24, True, False)
+  out = config.to_hf_dict()
+  assert (out["architectures"], out["model_type"], out["attention_bias"], out["head_dim"]) == (
+      ["Qwen3ForCausalLM"], "qwen3", False, 24)
+  assert qwen2.Qwen2Config.from_hf_dict(out) == config
+  back = transformers.AutoConfig.for_model(**out)
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+              "rope_parameters", "tie_word_embeddings", "attention_bias", "use_sliding_window"):
+    assert getattr(back, key) == getattr(model.config, key), key
+  d.pop("head_dim")
+  assert qwen2.Qwen2Config.from_hf_dict(d).head_dim == transformers.Qwen3Config().head_dim == 128
+  assert "attention_bias" not in qwen2.preset("qwen2.5-0.5b").to_hf_dict()
+
+
 def _write_tokenizer(path, n_tokens):
   from tokenizers import Tokenizer, models, pre_tokenizers
   vocab = {f"t{i}": i for i in range(n_tokens)}
@@ -137,9 +169,10 @@ def test_tokenizer_without_spare_row_fails(hf_tiny, tmp_path):
 # ---- bad input ----------------------------------------------------------------------
 
 
-def _copy_with_config(hf_tiny, tmp_path, name, **changes):
-  """A copy of the tied tiny checkpoint, with `changes` written into its config.json."""
-  path, _ = hf_tiny(tie=True)
+def _copy_with_config(hf_tiny, tmp_path, name, base=None, **changes):
+  """A copy of the tied tiny checkpoint (Qwen2, or hf_tiny(**base)), with `changes`
+  written into its config.json."""
+  path, _ = hf_tiny(tie=True, **(base or {}))
   d = str(tmp_path / name)
   shutil.copytree(path, d)
   if changes:
@@ -171,10 +204,27 @@ def test_wrong_architecture(hf_tiny, tmp_path):
 @pytest.mark.parametrize("changes, message", [
     ({"architectures": None}, r"no 'architectures' entry.*Qwen2ForCausalLM"),
     ({"model_type": "qwen3"}, r"model_type='qwen3'.*supports model_type 'qwen2'"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+     r"model_type='qwen3_moe'.*supports model_type 'qwen2'.*'qwen3' \(Qwen3ForCausalLM"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
 ])
 def test_config_json_that_is_not_a_standard_qwen2(hf_tiny, tmp_path, changes, message):
   d = _copy_with_config(hf_tiny, tmp_path, "odd", **changes)
+  with pytest.raises(ValueError, match=message):
+    hf.load_pretrained(d)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"architectures": None}, r"no 'architectures' entry.*\[\"Qwen3ForCausalLM\"\] if this is a "
+     r"Qwen3 dense checkpoint"),
+    ({"architectures": ["Qwen2ForCausalLM"]},
+     r"model_type='qwen3', architectures=\['Qwen2ForCausalLM'\]; mars_jax supports"),
+    ({"attention_bias": True}, r"attention_bias=True is not supported; Qwen3 dense "
+     r"checkpoints ship with attention_bias=False"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; Qwen3 dense uses 'silu'"),
+])
+def test_config_json_that_is_not_a_standard_qwen3(hf_tiny, tmp_path, changes, message):
+  d = _copy_with_config(hf_tiny, tmp_path, "odd3", base=QWEN3, **changes)
   with pytest.raises(ValueError, match=message):
     hf.load_pretrained(d)
 

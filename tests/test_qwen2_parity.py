@@ -1,14 +1,18 @@
-"""The Flax Qwen2 equals transformers' PyTorch Qwen2 (float32, 1e-4)."""
+"""The Flax decoder equals transformers' PyTorch Qwen2 and Qwen3 (float32, 1e-4)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from mars_jax import hf
 from mars_jax.models import qwen2
 
 TOL = 1e-4
+# hf_tiny kwargs of each family; Qwen3's head_dim 24 is not hidden / heads (16).
+FAMILIES = {"qwen2": {}, "qwen3": {"family": "qwen3", "head_dim": 24}}
+family = pytest.mark.parametrize("family", FAMILIES)
 
 
 def torch_logits(model, tokens, positions, mask):
@@ -27,9 +31,10 @@ def causal(b, t):
   return np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
 
 
+@family
 @pytest.mark.parametrize("tie,kv", [(True, 2), (False, 2), (True, 1), (False, 4)])
-def test_logits_match_transformers(hf_tiny, tie, kv):
-  path, model = hf_tiny(tie=tie, num_kv_heads=kv)
+def test_logits_match_transformers(hf_tiny, family, tie, kv):
+  path, model = hf_tiny(tie=tie, num_kv_heads=kv, **FAMILIES[family])
   config, params = hf.load_pretrained(path)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 128, (2, 12)).astype(np.int32)
@@ -40,8 +45,9 @@ def test_logits_match_transformers(hf_tiny, tie, kv):
   np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
 
 
-def test_right_padded_batch(hf_tiny):
-  path, model = hf_tiny(tie=True, num_kv_heads=2)
+@family
+def test_right_padded_batch(hf_tiny, family):
+  path, model = hf_tiny(tie=True, num_kv_heads=2, **FAMILIES[family])
   config, params = hf.load_pretrained(path)
   rng = np.random.default_rng(1)
   lengths = [10, 6, 3]
@@ -57,8 +63,9 @@ def test_right_padded_batch(hf_tiny):
     np.testing.assert_allclose(ours[i, :n], ref[0], atol=TOL, rtol=0)
 
 
-def test_arbitrary_mask_and_offset_positions(hf_tiny):
-  path, model = hf_tiny(tie=False, num_kv_heads=2)
+@family
+def test_arbitrary_mask_and_offset_positions(hf_tiny, family):
+  path, model = hf_tiny(tie=False, num_kv_heads=2, **FAMILIES[family])
   config, params = hf.load_pretrained(path)
   rng = np.random.default_rng(2)
   tokens = rng.integers(0, 128, (2, 9)).astype(np.int32)
@@ -70,10 +77,11 @@ def test_arbitrary_mask_and_offset_positions(hf_tiny):
   np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
 
 
+@family
 @pytest.mark.parametrize("impl", ["dot_product_attention"])
 @pytest.mark.parametrize("scan", [True, False])
-def test_runtime_variants_equal(hf_tiny, impl, scan):
-  path, _ = hf_tiny(tie=True, num_kv_heads=2)
+def test_runtime_variants_equal(hf_tiny, family, impl, scan):
+  path, _ = hf_tiny(tie=True, num_kv_heads=2, **FAMILIES[family])
   config, params = hf.load_pretrained(path)
   other_cfg, other_params = hf.load_pretrained(path, scan_layers=scan)
   other = qwen2.Runtime(attention_impl=impl, scan_layers=scan, remat="full")
@@ -85,9 +93,10 @@ def test_runtime_variants_equal(hf_tiny, impl, scan):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
-def test_cached_steps_equal_full_forward(hf_tiny):
+@family
+def test_cached_steps_equal_full_forward(hf_tiny, family):
   """Prefill then token-by-token cached steps give the full forward's logits and K/V."""
-  path, _ = hf_tiny(tie=True, num_kv_heads=2)
+  path, _ = hf_tiny(tie=True, num_kv_heads=2, **FAMILIES[family])
   config, params = hf.load_pretrained(path)
   rng = np.random.default_rng(4)
   b, t, prefill, max_len = 2, 10, 4, 16
@@ -115,14 +124,30 @@ def test_cached_steps_equal_full_forward(hf_tiny):
 
 
 @pytest.mark.parametrize("name,expected", [("qwen2.5-0.5b", 494_032_768),
-                                           ("qwen2.5-7b", 7_615_616_512)])
+                                           ("qwen2.5-7b", 7_615_616_512),
+                                           ("qwen3-0.6b", 596_049_920),
+                                           ("qwen3-8b", 8_190_735_360)])
 def test_preset_param_counts(name, expected):
   n = qwen2.num_params(qwen2.abstract_params(qwen2.preset(name)))
   assert n == expected
 
 
-def test_logical_axes_cover_every_weight():
-  config = qwen2.preset("qwen2.5-0.5b", num_hidden_layers=2, tie_word_embeddings=False)
+@pytest.mark.parametrize("name", sorted(qwen2.PRESETS))
+def test_preset_param_counts_equal_transformers(name):
+  """Every preset has exactly the parameters transformers builds from its config.json
+  (on the meta device: shapes only)."""
+  config = qwen2.preset(name)
+  hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
+  with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+  assert type(model).__name__ == config.family.architecture
+  assert qwen2.num_params(qwen2.abstract_params(config)) == sum(
+      p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b"])
+def test_logical_axes_cover_every_weight(name):
+  config = qwen2.preset(name, num_hidden_layers=2, tie_word_embeddings=False)
   shapes = qwen2.abstract_params(config)
   axes = qwen2.logical_axes(config)
   import jax

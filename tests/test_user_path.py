@@ -144,6 +144,17 @@ def test_generate_cli_on_the_export(user):
   assert "=== [0]" in r.stdout and "tokens/forward" in r.stdout, r.stdout
 
 
+def test_generate_cli_names_the_fix_for_a_budget_past_the_context(user):
+  """Bad input at the CLI: a one-line error naming the fix, exit 2, no traceback."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  r = subprocess.run([sys.executable, "-m", "mars_jax.generate", "--model", user["out"],
+                      "--prompt", user["question"], "--max-new-tokens", "100000"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "max_position_embeddings" in r.stderr and "lower max_new_tokens" in r.stderr
+  assert "Traceback" not in r.stderr
+
+
 def test_evaluate_cli_on_the_export(user):
   r = cli("mars_jax.evaluate", "--model", user["out"], "--task", user["gsm8k"],
           "--num-problems", "8", "--taus", "0.9", "--windows", "1,4",

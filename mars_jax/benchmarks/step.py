@@ -33,7 +33,8 @@ def parse_args(argv):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   g = p.add_argument_group("model (random weights) and batch of the step-time table")
   g.add_argument("--preset", default=None,
-                 help="a Qwen2.5 shape, e.g. qwen2.5-0.5b (overrides the sizes below)")
+                 help="a Qwen2.5 or Qwen3 shape, e.g. qwen2.5-0.5b, qwen3-0.6b (overrides the "
+                 "sizes below)")
   g.add_argument("--hidden", type=int, default=256)
   g.add_argument("--layers", type=int, default=4)
   g.add_argument("--heads", type=int, default=8)

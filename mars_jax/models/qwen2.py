@@ -1,11 +1,18 @@
-"""Qwen2 / Qwen2.5 decoder in Flax linen, with a pure `forward` and a KV-cache path.
+"""Qwen2 / Qwen2.5 and Qwen3 (dense) decoder in Flax linen, with a pure `forward` and a
+KV-cache path. One module for both families; `config.family` switches the attention's
+extras (docs/models.md):
+
+  Qwen2  q/k/v projections with biases;
+  Qwen3  no biases; an RMSNorm over head_dim on each head's queries and keys (one
+         [head_dim] scale per layer, shared by the heads), before RoPE.
 
 Parameter tree (layers stacked on a leading axis when `runtime.scan_layers`):
 
   embedding                      [vocab, embed]
   layers/input_norm/scale        [L, embed]
   layers/attn/{q,k,v}_kernel     [L, embed, heads|kv_heads, head_dim]
-  layers/attn/{q,k,v}_bias       [L, heads|kv_heads, head_dim]
+  layers/attn/{q,k,v}_bias       [L, heads|kv_heads, head_dim]   (Qwen2 only)
+  layers/attn/{q,k}_norm/scale   [L, head_dim]                   (Qwen3 only)
   layers/attn/o_kernel           [L, heads, head_dim, embed]
   layers/post_norm/scale         [L, embed]
   layers/mlp/{gate,up}_kernel    [L, embed, mlp]
@@ -115,19 +122,29 @@ class Attention(nn.Module):
   runtime: Runtime = Runtime()
 
   def _proj(self, x, name, heads, heads_axis):
+    """x: [b, t, embed] -> [b, t, heads, head_dim] (plus the bias where the family has one)."""
     c, rt = self.config, self.runtime
     kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, c.head_dim),
                     ("embed", heads_axis, "head_dim"), rt.jnp_param_dtype)
+    out = jnp.einsum("bte,ehd->bthd", x, kernel.astype(rt.jnp_dtype))
+    if not c.attention_bias:
+      return out
     bias = _param(self, f"{name}_bias", (heads, c.head_dim), (heads_axis, "head_dim"),
                   rt.jnp_param_dtype, nn.initializers.zeros)
-    return (jnp.einsum("bte,ehd->bthd", x, kernel.astype(rt.jnp_dtype))
-            + bias.astype(rt.jnp_dtype))
+    return out + bias.astype(rt.jnp_dtype)
+
+  def _query_or_key(self, x, name, heads, heads_axis, cos, sin):
+    """Projected, per-head RMS-normed where the family says (Qwen3), then rotated."""
+    h = self._proj(x, name, heads, heads_axis)
+    if self.config.qk_norm:
+      h = RMSNorm(self.config, self.runtime, name=f"{name}_norm")(h)
+    return apply_rope(h, cos, sin)
 
   @nn.compact
   def __call__(self, x, cos, sin, mask, layer_cache=None, write_index=None):
     c, rt = self.config, self.runtime
-    q = apply_rope(self._proj(x, "q", c.num_attention_heads, "heads"), cos, sin)
-    k = apply_rope(self._proj(x, "k", c.num_key_value_heads, "kv_heads"), cos, sin)
+    q = self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin)
+    k = self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin)
     v = self._proj(x, "v", c.num_key_value_heads, "kv_heads")
     if layer_cache is not None:
       rows = jnp.arange(x.shape[0])[:, None]

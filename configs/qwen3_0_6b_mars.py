@@ -1,0 +1,12 @@
+"""Stage 2 for Qwen3-0.6B: MARS (B=4, ar_weight 1) from the stage-1 run, paper recipe.
+
+  python -m mars_jax.train --config configs/qwen3_0_6b_mars.py --workdir runs/q3_0.6b_mars \
+      --config.model.init=runs/q3_0.6b_sft --config.data.source=/data/sft/*.jsonl
+"""
+
+from mars_jax.train_config import paper_config
+
+
+def get_config():
+  return paper_config(model_dir="runs/q3_0.6b_sft", kind="mars", fsdp=1, micro_batches=8,
+                      remat="none")

@@ -5,7 +5,8 @@ directory that `transformers.AutoModelForCausalLM` loads, with the run's tokeniz
 (which knows `<|mask|>`) when the run saved one.
 
 --out must be new or empty, or an earlier export by mars_jax with --overwrite; it
-may not be inside the run, nor contain it. A failed export leaves nothing behind.
+may not be inside the run or the model the run started from (its `model.init`), nor
+contain either. A failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -22,18 +23,24 @@ def _within(path: str, root: str) -> bool:
   return os.path.commonpath([path, root]) == root
 
 
-def check_out(out: str, run_dir: str) -> None:
-  """Raises `hf.ExportTargetError` when `out` is the run, inside it, or contains it."""
+def check_out(out: str, run_dir: str, source: str | None = None) -> None:
+  """Raises `hf.ExportTargetError` when `out` is, is inside, or contains the run or the
+  model it started from (`source`, when it is a local path)."""
   o, r = os.path.realpath(out), os.path.realpath(run_dir)
   suggestion = os.path.join(os.path.dirname(r), os.path.basename(r) + "-hf")
-  if _within(o, r):
+  protected = [("the run being exported", r)]
+  if source and source != "random":
+    protected.append(("the model the run started from", os.path.realpath(source)))
+  for what, path in protected:
+    if _within(o, path):
+      where = "is" if o == path else "is inside"
+    elif _within(path, o):
+      where = "contains"
+    else:
+      continue
     raise hf.ExportTargetError(
-        f"--out {out} is {'the run' if o == r else 'inside the run'} being exported "
-        f"({run_dir}); pass a directory outside the run, e.g. --out {suggestion}.")
-  if _within(r, o):
-    raise hf.ExportTargetError(
-        f"--out {out} contains the run being exported ({run_dir}); pass a directory "
-        f"outside the run, e.g. --out {suggestion}.")
+        f"--out {out} {where} {what} ({path}); pass a directory outside the run and its "
+        f"source model, e.g. --out {suggestion}.")
 
 
 def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
@@ -44,9 +51,9 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
   Raises `hf.ExportTargetError` before loading anything when `out` is not a
   directory an export may go to (see `check_out`, `hf.check_export_target`)."""
   run_dir, step = checkpoint.resolve_checkpoint(checkpoint_path)
-  check_out(out, run_dir)
-  hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
   layout = checkpoint.read_layout(run_dir)
+  check_out(out, run_dir, layout.get("init"))
+  hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
   config, _, params = checkpoint.load_params(checkpoint_path)
   tok_dir = checkpoint.tokenizer_dir(run_dir)
   tokenizer = None

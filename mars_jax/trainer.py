@@ -114,7 +114,9 @@ def held_out_batches(cfg, data, name: str, *, shard_index: int,
 
 
 def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:
+  init = cfg.model.init
   return {**checkpoint.model_layout(model_config, runtime),
+          "init": init if init == "random" else os.path.abspath(init),
           "objective": {k: cfg.objective[k] for k in
                         ("kind", "block_size", "ar_weight", "intra_block", "normalization")}}
 

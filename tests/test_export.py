@@ -130,6 +130,21 @@ def test_out_in_or_around_the_run_is_refused(tmp_path, where):
   assert run_intact(d) and not (d / "hf").exists()
 
 
+@pytest.mark.parametrize("where", ["source", "inside", "contains"])
+def test_out_in_or_around_the_source_model_is_refused(tmp_path, params, where):
+  """The model a run started from (layout.json's init) is protected even when it is an
+  earlier export and --overwrite is given."""
+  src = tmp_path / "models" / "base"
+  hf.save_pretrained(CONFIG, params, str(src))
+  d = fake_run(tmp_path)
+  (d / "layout.json").write_text(json.dumps({"objective": OBJECTIVE, "init": str(src)}))
+  out = {"source": src, "inside": src / "sub", "contains": tmp_path / "models"}[where]
+  before = sorted(os.listdir(src))
+  with pytest.raises(hf.ExportTargetError, match="the model the run started from"):
+    export.export(str(d), str(out), overwrite=True)
+  assert sorted(os.listdir(src)) == before and run_intact(d)
+
+
 def test_cli_refuses_foreign_out_clearly(tmp_path, capsys):
   d = fake_run(tmp_path)
   out = tmp_path / "data"

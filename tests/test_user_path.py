@@ -101,6 +101,7 @@ def test_both_stages_train_and_record_their_layout(user):
     assert layout["runtime"]["param_dtype"] == "float32"
     assert layout["model"]["vocab_size"] == json.load(
         open(os.path.join(user["hf"], "config.json")))["vocab_size"]
+    assert layout["init"] == os.path.abspath(user["hf"] if stage == "sft" else user["sft"])
   assert "ce_mask" in _metrics(user["mars"])[-1]
   assert f"{user['mars']} -> {user['out']}" in user["export_log"]
 

@@ -18,7 +18,7 @@ import os
 from typing import Any, Sequence
 
 from mars_jax import checkpoint, hf
-from mars_jax.models.qwen2 import Qwen2Config, Runtime
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 
 @dataclasses.dataclass
@@ -50,7 +50,7 @@ def eos_token_ids(tokenizer, config: Qwen2Config, model_dir: str | None = None
 def load_model(path: str, *, runtime: Runtime | None = None) -> LoadedModel:
   """Config, runtime, params and tokenizer (with `<|mask|>`) from an HF dir or a run."""
   if os.path.isfile(os.path.join(path, "config.json")):
-    runtime = runtime or Runtime()
+    runtime = runtime or DEFAULT_RUNTIME
     config, params = hf.load_pretrained(path, dtype=runtime.param_dtype,
                                         scan_layers=runtime.scan_layers)
     tok_dir = path

@@ -32,13 +32,12 @@ import numpy as np
 
 from mars_jax import masks
 from mars_jax.models import qwen2
-from mars_jax.models.qwen2 import Runtime
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 
 Array = jax.Array
 Batch = dict[str, Array]
 KINDS = ("mars", "ar_sft")
 NORMALIZATIONS = ("sequence", "token")
-_DEFAULT_RUNTIME = Runtime()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +176,7 @@ def _cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
 
 def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
                         labels: Array, *, chunk_size: int | None,
-                        runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Array, Array]:
+                        runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, Array]:
   """Per-position CE and top-1 correctness of the unembedded hidden states.
 
   hidden: [b, t, embed] (final-normed); labels: int32[b, t]
@@ -222,7 +221,7 @@ def check_mask_token_id(config: qwen2.Qwen2Config, mask_token_id) -> None:
 def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
               normalization: str = "sequence", chunk_size: int | None = 256,
-              runtime: Runtime = _DEFAULT_RUNTIME) -> dict[str, Array]:
+              runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, Array]:
   """Unnormalised MARS loss and metric sums of one batch (see `finalize`).
 
   One forward pass over [clean | noisy] (2L positions). Sums: loss, ce_ar, ce_mask,
@@ -253,7 +252,7 @@ def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
 
 def ar_sft_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
                 normalization: str = "sequence", chunk_size: int | None = 256,
-                runtime: Runtime = _DEFAULT_RUNTIME) -> dict[str, Array]:
+                runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, Array]:
   """Unnormalised AR-SFT sums (plain causal pass over L): loss, ce_ar, denom, targets,
   correct_ar: float32[]."""
   f = prepare(batch)
@@ -270,7 +269,7 @@ def ar_sft_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
 
 
 def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
-                   objective: ObjectiveConfig, *, runtime: Runtime = _DEFAULT_RUNTIME
+                   objective: ObjectiveConfig, *, runtime: Runtime = DEFAULT_RUNTIME
                    ) -> dict[str, Array]:
   """`mars_sums` or `ar_sft_sums` as `objective.kind` says."""
   if objective.kind == "ar_sft":
@@ -308,7 +307,7 @@ def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
 def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
               normalization: str = "sequence", chunk_size: int | None = 256,
-              runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
+              runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """L = CE_mask + ar_weight * CE_AR from one two-stream pass (docs/design.md).
 
   batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
@@ -322,7 +321,7 @@ def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
 
 def ar_sft_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
                 normalization: str = "sequence", chunk_size: int | None = 256,
-                runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
+                runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """Stage-1 AR SFT: causal CE on response tokens only. -> (loss, metrics)."""
   return finalize(ar_sft_sums(config, params, batch, normalization=normalization,
                               chunk_size=chunk_size, runtime=runtime))

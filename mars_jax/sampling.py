@@ -77,7 +77,7 @@ from flax import struct
 
 from mars_jax import gates
 from mars_jax.models import qwen2
-from mars_jax.models.qwen2 import Qwen2Config, Runtime
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, Measure, WindowPolicy
 
 Policy = WindowPolicy | FixedWindow
@@ -86,7 +86,6 @@ Array = jax.Array
 
 MIN_PROMPT_BUCKET = 8
 EOS_BUCKET = 8
-_DEFAULT_RUNTIME = Runtime()
 MODES = ("gated", "lossless")
 
 
@@ -229,7 +228,7 @@ def _advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, 
 
 
 def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
-              runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
+              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """An empty state: `batch` padding rows (done), a zeroed cache of `cache_len` slots."""
   def zeros():  # one buffer per field: `insert` and `run_steps` donate the state
     return jnp.zeros((batch,), jnp.int32)
@@ -283,7 +282,7 @@ def regroup(state: DecodeState, rows: Array) -> DecodeState:
 def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
               mask_token_id: Array, max_steps: Array, stop_on_finish: Array, *,
               window: int, real_slots: int, mode: str,
-              runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
+              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """Decoding steps on `state` until every row is done, `max_steps` forwards ran,
   or (stop_on_finish) some row finished; each step feeds up to `real_slots`
   pending tokens per row (after `insert`, a wide first call prefills).
@@ -306,7 +305,7 @@ def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "cache_len"))
 def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens: Array,
           tau: Array, metric: Array, *, cache_len: int,
-          runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
+          runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """A state of b = len(prompt) rows starting the prompts (arguments as `insert`;
   rows with max_new_tokens 0 are padding), nothing run yet."""
   b = prompt.shape[0]
@@ -318,7 +317,7 @@ def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens:
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
            mask_token_id: Array, *, window: int, mode: str, cache_len: int,
-           runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
+           runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """Prefill, then the decoding loop until every sample is done.
 
   prompt: int32[b, P] right-padded; prompt_len: int32[b] (>= 1);
@@ -419,7 +418,7 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
                  max_new_tokens: int | Sequence[int], mask_token_id: int,
                  eos_token_ids: int | Sequence[int], tau: float | Sequence[float] = 1.0,
                  window: int = 1, metric: str | Sequence[str] = "probability",
-                 mode: str = "gated", runtime: Runtime = _DEFAULT_RUNTIME) -> DecodeState:
+                 mode: str = "gated", runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """Buckets `prompts` and runs `decode`; returns the final state (rows past
   len(prompts) are padding). Arguments as `generate`."""
   n = len(prompts)
@@ -448,7 +447,7 @@ def results(state: DecodeState, n: int, windows: dict[int, int] | None = None
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
                  mode: str, mask_token_id: int, steps: int = 32, repeats: int = 5,
-                 runtime: Runtime = _DEFAULT_RUNTIME) -> float:
+                 runtime: Runtime = DEFAULT_RUNTIME) -> float:
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode): `batch` rows decoding from a one-token prompt (tau 1), best of
   `repeats` runs of `steps` steps after one that compiles."""
@@ -468,7 +467,7 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
 
 
 def measure_fn(config: Qwen2Config, params, *, mode: str, mask_token_id: int,
-               runtime: Runtime = _DEFAULT_RUNTIME) -> Measure:
+               runtime: Runtime = DEFAULT_RUNTIME) -> Measure:
   """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
   it round-robin over the windows), for `WindowPolicy.choose`."""
   def measure(batch: int, cache_len: int, window: int) -> float:
@@ -494,7 +493,7 @@ def progress(state: DecodeState) -> Progress:
 def segment(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
             eos_ids: np.ndarray, mask_token_id: int, mode: str, measure: Measure | None,
             before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
-            stop_on_finish: bool = False, runtime: Runtime = _DEFAULT_RUNTIME
+            stop_on_finish: bool = False, runtime: Runtime = DEFAULT_RUNTIME
             ) -> tuple[DecodeState, int, Progress]:
   """One policy decision: W for the state's batch, then `policy.segment_steps` steps
   (the first `wide_steps` of them `real_slots` wide when that exceeds W, to prefill
@@ -560,7 +559,7 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
              eos_token_ids: int | Sequence[int], tau: float | Sequence[float] = 1.0,
              window: int | str = 1, metric: str | Sequence[str] = "probability",
              mode: str = "gated", policy: WindowPolicy | None = None,
-             runtime: Runtime = _DEFAULT_RUNTIME) -> GenerateResult:
+             runtime: Runtime = DEFAULT_RUNTIME) -> GenerateResult:
   """Greedy AR (window=1), MARS, or lossless MARS decoding of a ragged batch of prompts.
 
   prompts: token id lists (any lengths); max_new_tokens: per-sample budget (one,

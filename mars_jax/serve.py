@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from mars_jax import gates, sampling
-from mars_jax.models.qwen2 import Qwen2Config, Runtime
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, WindowPolicy
 
 
@@ -94,7 +94,7 @@ class Server:
                min_batch_size: int | None = None, max_len: int = 512,
                window: int | WindowPolicy | FixedWindow = 1, mode: str = "gated", tau: float = 1.0,
                metric: str = "probability", prefill_chunk: int = 64,
-               segment_steps: int = 8, runtime: Runtime = Runtime()):
+               segment_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, segment_steps=segment_steps))
     sampling.check_args(config, window=max(self.policy.windows), mode=mode,

@@ -97,7 +97,7 @@ def logical_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> An
 
 def param_shardings(config: qwen2.Qwen2Config, mesh: Mesh,
                     rules: Rules = LOGICAL_AXIS_RULES, *,
-                    runtime: qwen2.Runtime = qwen2.Runtime()) -> Any:
+                    runtime: qwen2.Runtime = qwen2.DEFAULT_RUNTIME) -> Any:
   """`NamedSharding` of every parameter, from its logical axes (nothing allocated)."""
   return logical_shardings(qwen2.logical_axes(config, runtime=runtime),
                            qwen2.abstract_params(config, runtime=runtime), mesh, rules)

@@ -27,11 +27,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mars_jax import objective as objective_lib
 from mars_jax import sharding
 from mars_jax.models import qwen2
-from mars_jax.models.qwen2 import Runtime
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 
 Array = jax.Array
 Batch = dict[str, Array]
-_DEFAULT_RUNTIME = Runtime()
 
 
 @flax.struct.dataclass
@@ -43,7 +42,7 @@ class TrainState:
 
 
 def abstract_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
-                         *, runtime: Runtime = _DEFAULT_RUNTIME) -> TrainState:
+                         *, runtime: Runtime = DEFAULT_RUNTIME) -> TrainState:
   """`TrainState` of `jax.ShapeDtypeStruct`s (nothing allocated), e.g. an orbax target."""
   params = qwen2.abstract_params(model_config, runtime=runtime)
   return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
@@ -52,7 +51,7 @@ def abstract_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTran
 
 def train_state_shardings(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
                           mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES, *,
-                          runtime: Runtime = _DEFAULT_RUNTIME) -> TrainState:
+                          runtime: Runtime = DEFAULT_RUNTIME) -> TrainState:
   """`TrainState` of `NamedSharding`s: params by logical axes, moments like their params."""
   params = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
   opt_state = sharding.opt_state_shardings(
@@ -63,7 +62,7 @@ def train_state_shardings(model_config: qwen2.Qwen2Config, tx: optax.GradientTra
 def init_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
                      mesh: Mesh, *, params: Any = None, rng: Array | None = None,
                      rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
-                     runtime: Runtime = _DEFAULT_RUNTIME) -> TrainState:
+                     runtime: Runtime = DEFAULT_RUNTIME) -> TrainState:
   """A sharded step-0 state from given `params` (e.g. `hf.load_pretrained`, in
   `runtime`'s layout), or a random init from `rng` computed directly in its shardings."""
   shardings = train_state_shardings(model_config, tx, mesh, rules, runtime=runtime)
@@ -97,7 +96,7 @@ def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
 def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
                    params: Any, batch: Batch, *, micro_batches: int = 1,
                    micro_batch_sharding: NamedSharding | None = None,
-                   runtime: Runtime = _DEFAULT_RUNTIME) -> tuple[Any, dict[str, Array]]:
+                   runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Any, dict[str, Array]]:
   """Gradients of the normalised loss and the objective's sums, accumulated over micro-batches.
 
   The loss is a sum over micro-batches divided once by the whole batch's
@@ -133,7 +132,7 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
                     tx: optax.GradientTransformation, mesh: Mesh, *, micro_batches: int = 1,
                     learning_rate_fn: optax.Schedule | None = None,
                     rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
-                    runtime: Runtime = _DEFAULT_RUNTIME
+                    runtime: Runtime = DEFAULT_RUNTIME
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
   """The jitted step `(state, batch) -> (state, metrics)`.
 
@@ -175,7 +174,7 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
 
 def make_eval_step(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
                    mesh: Mesh, rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES, *,
-                   runtime: Runtime = _DEFAULT_RUNTIME
+                   runtime: Runtime = DEFAULT_RUNTIME
                    ) -> Callable[[Any, Batch], dict[str, Array]]:
   """The jitted `(params, batch) -> sums` of the objective (no gradient).
 

@@ -172,9 +172,9 @@ def test_eval_batches_zero_means_no_eval_loss(tmp_path):
   assert len(batches(16, 4)) == 2 and len(batches(16, 1)) == 1
   with pytest.raises(ValueError, match="train.eval_batches=0"):
     batches(3, 4)
-  r = train(str(tmp_path / "run"), f"--config.data.source={path}", "--config.data.num_eval=3",
-            "--config.train.eval_batches=0", "--config.train.eval_every=1",
-            "--config.train.steps=2")
+  train(str(tmp_path / "run"), f"--config.data.source={path}", "--config.data.num_eval=3",
+        "--config.train.eval_batches=0", "--config.train.eval_every=1",
+        "--config.train.steps=2")
   rows = [json.loads(l) for l in open(os.path.join(tmp_path, "run", "metrics.jsonl"))]
   assert len(rows) == 2 and not any("eval_loss" in row for row in rows)
 

@@ -98,7 +98,7 @@ def load_model(args) -> BenchModel:
       return BenchModel(config, params, mask_id,
                         lambda n, rng: t.prompts(n, int(rng.integers(1 << 30)), args.prompt_len))
   elif os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-    m = loading.load_model(name, runtime=qwen2.Runtime())  # float32, as the peer
+    m = loading.load_model(name, runtime=qwen2.DEFAULT_RUNTIME)  # float32, as the peer
     config, params, mask_id, tokenizer = m.config, m.params, m.mask_token_id, m.tokenizer
   elif os.path.isdir(name):
     config, params = hf.load_pretrained(name)

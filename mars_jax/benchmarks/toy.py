@@ -86,5 +86,5 @@ def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 
   opt_state = tx.init(params)
   for _ in range(steps):
     params, opt_state, _ = step(params, opt_state, batch(cycle, rng, rows, length))
-  return Toy(CONFIG, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.Runtime()),
+  return Toy(CONFIG, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.DEFAULT_RUNTIME),
              cycle, MASK_ID)

@@ -272,6 +272,9 @@ class Runtime:
     return dataclasses.asdict(self)
 
 
+DEFAULT_RUNTIME = Runtime()  # float32, plain einsum attention, scanned layers, no remat
+
+
 def scan_layers_of(params: Any) -> bool:
   """Whether a params tree holds stacked (scanned) layers: `layers` vs `layers_0..`."""
   if "layers" in params:

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
-    PRESETS, Qwen2Config, Runtime, preset, scan_layers_of)
+    DEFAULT_RUNTIME, PRESETS, Qwen2Config, Runtime, preset, scan_layers_of)
 
 Array = jax.Array
 Cache = dict[str, Array]
@@ -68,7 +68,7 @@ def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
 class RMSNorm(nn.Module):
   """y = x / rms(x) * scale, computed in float32 (as HF), cast back to x.dtype."""
   config: Qwen2Config
-  runtime: Runtime = Runtime()
+  runtime: Runtime = DEFAULT_RUNTIME
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -119,7 +119,7 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
 
 class Attention(nn.Module):
   config: Qwen2Config
-  runtime: Runtime = Runtime()
+  runtime: Runtime = DEFAULT_RUNTIME
 
   def _proj(self, x, name, heads, heads_axis):
     """x: [b, t, embed] -> [b, t, heads, head_dim] (plus the bias where the family has one)."""
@@ -162,7 +162,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
   config: Qwen2Config
-  runtime: Runtime = Runtime()
+  runtime: Runtime = DEFAULT_RUNTIME
 
   @nn.compact
   def __call__(self, x):
@@ -181,7 +181,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   """Pre-norm block. Call signature matches `nn.scan`: (carry, layer_cache) -> (carry, cache)."""
   config: Qwen2Config
-  runtime: Runtime = Runtime()
+  runtime: Runtime = DEFAULT_RUNTIME
 
   @nn.compact
   def __call__(self, x, layer_cache, cos, sin, mask, write_index):
@@ -195,7 +195,7 @@ class DecoderLayer(nn.Module):
 
 class Qwen2ForCausalLM(nn.Module):
   config: Qwen2Config
-  runtime: Runtime = Runtime()
+  runtime: Runtime = DEFAULT_RUNTIME
 
   def setup(self):
     c, rt = self.config, self.runtime
@@ -254,11 +254,8 @@ class Qwen2ForCausalLM(nn.Module):
 # ---- pure functional API ---------------------------------------------------------
 
 
-_DEFAULT = Runtime()
-
-
 def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
-            attn_mask: Array, *, runtime: Runtime = _DEFAULT) -> Array:
+            attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME) -> Array:
   """Logits of a full (uncached) pass.
 
   tokens, positions: int32[b, t]; attn_mask: bool[b, t, t] (True = may attend)
@@ -270,7 +267,7 @@ def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 
 def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
-                   attn_mask: Array, *, runtime: Runtime = _DEFAULT) -> Array:
+                   attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME) -> Array:
   """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses)."""
   hidden, _ = Qwen2ForCausalLM(config, runtime).apply(
       {"params": params}, tokens, positions, attn_mask, method="hidden")
@@ -278,14 +275,14 @@ def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 
 def unembed(config: Qwen2Config, params, hidden: Array, *,
-            runtime: Runtime = _DEFAULT) -> Array:
+            runtime: Runtime = DEFAULT_RUNTIME) -> Array:
   """hidden: [..., embed] -> float32 logits [..., vocab] (tied or separate head)."""
   return Qwen2ForCausalLM(config, runtime).apply({"params": params}, hidden, method="unembed")
 
 
 def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
                    cache: Cache, write_index: Array, attn_mask: Array, *,
-                   runtime: Runtime = _DEFAULT) -> tuple[Array, Cache]:
+                   runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, Cache]:
   """One cached step: write K/V of `tokens` into the cache, attend over the cache.
 
   tokens, positions, write_index: int32[b, t] (write_index >= max_len drops the write);
@@ -298,7 +295,7 @@ def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 
 def init_cache(config: Qwen2Config, batch: int, max_len: int, *,
-               runtime: Runtime = _DEFAULT) -> Cache:
+               runtime: Runtime = DEFAULT_RUNTIME) -> Cache:
   """Zeroed KV cache {"k","v"}: [layers, batch, max_len, kv_heads, head_dim], in the
   runtime's compute dtype."""
   shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
@@ -312,7 +309,7 @@ def _dummy_inputs(config: Qwen2Config):
   return tokens, tokens, jnp.ones((1, 1, 1), bool)
 
 
-def abstract_params(config: Qwen2Config, *, runtime: Runtime = _DEFAULT,
+def abstract_params(config: Qwen2Config, *, runtime: Runtime = DEFAULT_RUNTIME,
                     boxed: bool = False) -> Any:
   """ShapeDtypeStructs of the params, allocating nothing (boxed: with logical axes)."""
   out = jax.eval_shape(lambda: Qwen2ForCausalLM(config, runtime).init(
@@ -320,12 +317,12 @@ def abstract_params(config: Qwen2Config, *, runtime: Runtime = _DEFAULT,
   return out["params"] if boxed else nn.meta.unbox(out["params"])
 
 
-def logical_axes(config: Qwen2Config, *, runtime: Runtime = _DEFAULT) -> Any:
+def logical_axes(config: Qwen2Config, *, runtime: Runtime = DEFAULT_RUNTIME) -> Any:
   """Pytree of `PartitionSpec`s of logical axis names, matching the params tree."""
   return nn.get_partition_spec(abstract_params(config, runtime=runtime, boxed=True))
 
 
-def init_params(config: Qwen2Config, rng: Array, *, runtime: Runtime = _DEFAULT) -> Any:
+def init_params(config: Qwen2Config, rng: Array, *, runtime: Runtime = DEFAULT_RUNTIME) -> Any:
   """Random params (normal(0.02) weights, zero biases, unit norms)."""
   variables = Qwen2ForCausalLM(config, runtime).init(rng, *_dummy_inputs(config))
   return nn.meta.unbox(variables["params"])

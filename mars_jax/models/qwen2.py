@@ -117,6 +117,41 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   return out.reshape(b, t, h, d)
 
 
+def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Array,
+                     mask: Array, write_index: Array) -> Array:
+  """Grouped-query attention over a KV cache as it is once this step's K/V are written,
+  without writing them: the cache is only read here, and the caller writes every
+  layer's new K/V into it once (no per-layer copy of the cache).
+
+  q: [b, t, heads, d]; k, v: [b, t, kv_heads, d] (this step's); cache_k, cache_v:
+  [b, S, kv_heads, d]; mask: bool[b, t, S] over cache slots after the writes;
+  write_index: int32[b, t] (>= S: not written). A slot that this step writes is read
+  from k/v, every other slot from the cache:
+
+    scores = [ q.cache_k  masked by mask & slot not written | q.k  masked by mask at
+               the slot each new token goes to ]  -> one softmax over S + t
+  -> [b, t, heads, d].
+  """
+  b, t, h, d = q.shape
+  slots, kvh = cache_k.shape[1], cache_k.shape[2]
+  live = write_index < slots
+  written = jnp.any((write_index[:, :, None] == jnp.arange(slots)) & live[..., None], axis=1)
+  at_slot = jnp.broadcast_to(jnp.where(live, write_index, 0)[:, None, :], (b, t, t))
+  mask_new = jnp.take_along_axis(mask, at_slot, axis=2) & live[:, None, :]
+  mask_old = mask & ~written[:, None, :]
+  qg = q.reshape(b, t, kvh, h // kvh, d)
+  scale = jnp.sqrt(d).astype(jnp.float32)
+  neg = jnp.finfo(jnp.float32).min
+  s_old = jnp.einsum("btkgd,bskd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+  s_new = jnp.einsum("btkgd,bjkd->bkgtj", qg, k, preferred_element_type=jnp.float32)
+  scores = jnp.concatenate([jnp.where(mask_old[:, None, None], s_old / scale, neg),
+                            jnp.where(mask_new[:, None, None], s_new / scale, neg)], axis=-1)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :slots], cache_v)
+         + jnp.einsum("bkgtj,bjkd->btkgd", probs[..., slots:], v))
+  return out.reshape(b, t, h, d)
+
+
 class Attention(nn.Module):
   config: Qwen2Config
   runtime: Runtime = DEFAULT_RUNTIME
@@ -146,15 +181,15 @@ class Attention(nn.Module):
     q = self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin)
     k = self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin)
     v = self._proj(x, "v", c.num_key_value_heads, "kv_heads")
-    if layer_cache is not None:
-      rows = jnp.arange(x.shape[0])[:, None]
-      k_all = layer_cache["k"].at[rows, write_index].set(k.astype(layer_cache["k"].dtype),
-                                                          mode="drop")
-      v_all = layer_cache["v"].at[rows, write_index].set(v.astype(layer_cache["v"].dtype),
-                                                          mode="drop")
-      layer_cache = {"k": k_all, "v": v_all}
-      k, v = k_all.astype(rt.jnp_dtype), v_all.astype(rt.jnp_dtype)
-    out = attention(q, k, v, mask, rt.attention_impl)
+    if layer_cache is None:
+      out = attention(q, k, v, mask, rt.attention_impl)
+    else:  # decoding: read the cache, hand this step's K/V back for one write of all layers
+      new_kv = {"k": k.astype(layer_cache["k"].dtype), "v": v.astype(layer_cache["v"].dtype)}
+      out = cached_attention(q, new_kv["k"].astype(rt.jnp_dtype),
+                             new_kv["v"].astype(rt.jnp_dtype),
+                             layer_cache["k"].astype(rt.jnp_dtype),
+                             layer_cache["v"].astype(rt.jnp_dtype), mask, write_index)
+      layer_cache = new_kv
     o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
                       ("heads", "head_dim", "embed"), rt.jnp_param_dtype)
     return jnp.einsum("bthd,hde->bte", out, o_kernel.astype(rt.jnp_dtype)), layer_cache
@@ -179,7 +214,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block. Call signature matches `nn.scan`: (carry, layer_cache) -> (carry, cache)."""
+  """Pre-norm block. Call signature matches `nn.scan`: (carry, layer_cache) -> (carry, new
+  K/V of this step's tokens: {"k","v"}: [b, t, kv_heads, head_dim], or None)."""
   config: Qwen2Config
   runtime: Runtime = DEFAULT_RUNTIME
 
@@ -222,20 +258,27 @@ class Qwen2ForCausalLM(nn.Module):
           (c.hidden_size, c.vocab_size), rt.jnp_param_dtype)
 
   def hidden(self, tokens, positions, attn_mask, cache=None, write_index=None):
-    """Final-normed hidden states [b, t, embed] (compute dtype) and the updated cache."""
+    """Final-normed hidden states [b, t, embed] (compute dtype) and the updated cache.
+
+    With a cache, every layer reads it as it is (`cached_attention`) and returns its new
+    K/V; all layers' K/V are then written in one scatter, which XLA keeps in place when
+    the cache buffer is donated (the sampler's while_loop carry)."""
     c = self.config
     x = jnp.take(self.embedding, tokens, axis=0).astype(self.runtime.jnp_dtype)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     if self.runtime.scan_layers:
-      x, cache = self.layers(x, cache, cos, sin, attn_mask, write_index)
+      x, new_kv = self.layers(x, cache, cos, sin, attn_mask, write_index)
     else:
       new = []
       for i, layer in enumerate(self.layers):
         layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)
-        x, layer_cache = layer(x, layer_cache, cos, sin, attn_mask, write_index)
-        new.append(layer_cache)
-      if cache is not None:
-        cache = jax.tree.map(lambda *a: jnp.stack(a), *new)
+        x, layer_kv = layer(x, layer_cache, cos, sin, attn_mask, write_index)
+        new.append(layer_kv)
+      new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+    if cache is not None:
+      rows = jnp.arange(tokens.shape[0])[:, None]
+      cache = {n: cache[n].at[:, rows, write_index].set(new_kv[n], mode="drop")
+               for n in ("k", "v")}
     return self.final_norm(x), cache
 
   def unembed(self, hidden):

@@ -94,7 +94,7 @@ class DecodeState:
   """Loop state (b: batch bucket, S: cache slots).
 
   seq: int32[b, S]: token at each position (prompt, accepted tokens, drafts).
-  cache: {"k","v"}: [layers, b, S, kv_heads, head_dim]; slot s holds position s.
+  cache: {"k","v"}: [layers, b, kv_heads, S, head_dim]; slot s holds position s.
   cursor: int32[b]: slots [0, cursor) hold committed K/V.
   length: int32[b]: tokens committed so far; [cursor, length) are pending
     (accepted, K/V written by the next forward).

@@ -82,8 +82,8 @@ def test_lossless_cache_holds_committed_kv_after_rollbacks(model):
       jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (4, n, n)))[1]
   for i in range(len(PROMPTS)):
     for key in ("k", "v"):
-      np.testing.assert_allclose(np.asarray(state.cache[key][:, i, :cursor[i]]),
-                                 np.asarray(full[key][:, i, :cursor[i]]), atol=1e-5, rtol=0)
+      np.testing.assert_allclose(np.asarray(state.cache[key][:, i, :, :cursor[i]]),
+                                 np.asarray(full[key][:, i, :, :cursor[i]]), atol=1e-5, rtol=0)
 
 
 def toy_prompts(m):

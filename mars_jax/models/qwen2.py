@@ -29,7 +29,8 @@ Every weight carries logical axis names (`layers`, `vocab`, `embed`, `heads`,
 Without scan (`runtime.scan_layers=False`) the layers are `layers_0 .. layers_{L-1}`
 with the same leaves minus the leading axis.
 
-KV cache (see `init_cache`): `{"k", "v"}: [L, b, max_len, kv_heads, head_dim]`.
+KV cache (see `init_cache`): `{"k", "v"}: [L, b, kv_heads, max_len, head_dim]` (each
+kv head's slots contiguous: the attention reads the cache in the layout it is stored).
 A cached call writes the new K/V of token `j` of sample `i` at cache slot
 `write_index[i, j]` (an index `>= max_len` drops the write) and then lets each
 query attend to the cache slots its mask row allows:
@@ -124,7 +125,7 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   layer's new K/V into it once (no per-layer copy of the cache).
 
   q: [b, t, heads, d]; k, v: [b, t, kv_heads, d] (this step's); cache_k, cache_v:
-  [b, S, kv_heads, d]; mask: bool[b, t, S] over cache slots after the writes;
+  [b, kv_heads, S, d]; mask: bool[b, t, S] over cache slots after the writes;
   write_index: int32[b, t] (>= S: not written). A slot that this step writes is read
   from k/v, every other slot from the cache:
 
@@ -133,7 +134,7 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   -> [b, t, heads, d].
   """
   b, t, h, d = q.shape
-  slots, kvh = cache_k.shape[1], cache_k.shape[2]
+  kvh, slots = cache_k.shape[1], cache_k.shape[2]
   live = write_index < slots
   written = jnp.any((write_index[:, :, None] == jnp.arange(slots)) & live[..., None], axis=1)
   at_slot = jnp.broadcast_to(jnp.where(live, write_index, 0)[:, None, :], (b, t, t))
@@ -142,12 +143,12 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   qg = q.reshape(b, t, kvh, h // kvh, d)
   scale = jnp.sqrt(d).astype(jnp.float32)
   neg = jnp.finfo(jnp.float32).min
-  s_old = jnp.einsum("btkgd,bskd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+  s_old = jnp.einsum("btkgd,bksd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
   s_new = jnp.einsum("btkgd,bjkd->bkgtj", qg, k, preferred_element_type=jnp.float32)
   scores = jnp.concatenate([jnp.where(mask_old[:, None, None], s_old / scale, neg),
                             jnp.where(mask_new[:, None, None], s_new / scale, neg)], axis=-1)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :slots], cache_v)
+  out = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :slots], cache_v)
          + jnp.einsum("bkgtj,bjkd->btkgd", probs[..., slots:], v))
   return out.reshape(b, t, h, d)
 
@@ -275,10 +276,10 @@ class Qwen2ForCausalLM(nn.Module):
         x, layer_kv = layer(x, layer_cache, cos, sin, attn_mask, write_index)
         new.append(layer_kv)
       new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
-    if cache is not None:
+    if cache is not None:  # cache[:, row, :, slot] <- [b, t, L, kv_heads, d]
       rows = jnp.arange(tokens.shape[0])[:, None]
-      cache = {n: cache[n].at[:, rows, write_index].set(new_kv[n], mode="drop")
-               for n in ("k", "v")}
+      cache = {n: cache[n].at[:, rows, :, write_index].set(
+          new_kv[n].transpose(1, 2, 0, 3, 4), mode="drop") for n in ("k", "v")}
     return self.final_norm(x), cache
 
   def unembed(self, hidden):
@@ -329,7 +330,7 @@ def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
   """One cached step: write K/V of `tokens` into the cache, attend over the cache.
 
   tokens, positions, write_index: int32[b, t] (write_index >= max_len drops the write);
-  cache: {"k","v"}: [layers, b, max_len, kv_heads, head_dim];
+  cache: {"k","v"}: [layers, b, kv_heads, max_len, head_dim];
   attn_mask: bool[b, t, max_len] over cache slots *after* this step's writes.
   -> (float32 logits [b, t, vocab], updated cache).
   """
@@ -339,9 +340,9 @@ def forward_cached(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 def init_cache(config: Qwen2Config, batch: int, max_len: int, *,
                runtime: Runtime = DEFAULT_RUNTIME) -> Cache:
-  """Zeroed KV cache {"k","v"}: [layers, batch, max_len, kv_heads, head_dim], in the
+  """Zeroed KV cache {"k","v"}: [layers, batch, kv_heads, max_len, head_dim], in the
   runtime's compute dtype."""
-  shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
+  shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len,
            config.head_dim)
   dtype = runtime.jnp_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

@@ -1,0 +1,115 @@
+"""`python -m mars_jax.bench decode`: where a decoding step's time goes.
+
+For each batch and window, compiles the sampler's `run_steps` variant and reports,
+next to its measured seconds per step (`sampling.step_seconds`):
+  - XLA's cost analysis of one step: FLOPs and bytes accessed;
+  - the bytes a step must move at least (`device.forward_bytes`): the params once
+    plus the K/V cache it attends over (every layer reads the whole cache bucket), and the time that takes
+    at this machine's memory bandwidth, measured in the same run (a large array copy):
+    the memory-bandwidth roofline;
+  - the layout copies left in the compiled step (HLO `copy`/`transpose` ops, their
+    count and bytes per step): data movement that does no arithmetic.
+
+  python -m mars_jax.bench decode --model tiny --batch-sizes 1,4,16,64 --windows 1,5
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import jax
+import numpy as np
+
+from mars_jax import loading, sampling
+from mars_jax.benchmarks.device import forward_bytes
+from mars_jax.benchmarks.sample import SHAPES
+from mars_jax.models import qwen2
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4, "s8": 1, "u8": 1}
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (copy|transpose)\(")
+
+
+def memory_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+  """Bytes per second of a large array copy (read + write), best of `repeats`."""
+  a = np.ones(nbytes // 8, np.float64)
+  b = np.empty_like(a)
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    np.copyto(b, a)
+    best = min(best, time.perf_counter() - t0)
+  return 2 * nbytes / best
+
+
+def layout_copies(hlo: str) -> tuple[int, int]:
+  """(count, bytes) of copy and transpose ops in the compiled while-loop body."""
+  count = total = 0
+  for line in hlo.splitlines():
+    m = _COPY.search(line)
+    if m and "while/body" in line:
+      dims = [int(d) for d in m.group(2).split(",") if d]
+      count += 1
+      total += int(np.prod(dims or [1])) * _BYTES.get(m.group(1), 4)
+  return count, total
+
+
+def step_cost(config, params, *, batch: int, cache_len: int, window: int,
+              mask_token_id: int) -> dict:
+  """Cost analysis and layout copies of one `run_steps` step (loop of 1 step)."""
+  ones = np.ones((batch,), np.int32)
+  state = sampling.start(config, ones[:, None], ones,
+                         np.full((batch,), cache_len - window, np.int32),
+                         ones.astype(np.float32), 0 * ones, cache_len=cache_len)
+  compiled = sampling.run_steps.lower(
+      config, params, state, sampling.eos_array(()), np.int32(mask_token_id), np.int32(1),
+      np.bool_(False), window=window, real_slots=window, mode="gated").compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  copies, copy_bytes = layout_copies(compiled.as_text())
+  return {"flops": float(cost.get("flops", 0.0)),
+          "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+          "layout_copies": copies, "layout_copy_bytes": copy_bytes}
+
+
+def load(name: str, seed: int):
+  """-> (config, params, mask id): an HF dir / run, or a named random shape."""
+  if name in SHAPES or name.lower() in qwen2.PRESETS:
+    config = qwen2.Qwen2Config(**SHAPES[name]) if name in SHAPES else qwen2.preset(name)
+    return config, qwen2.init_params(config, jax.random.key(seed)), config.vocab_size - 1
+  m = loading.load_model(name, runtime=qwen2.DEFAULT_RUNTIME)
+  return m.config, m.params, m.mask_token_id
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m mars_jax.bench decode", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="tiny", help="HF dir, RUN_DIR, or tiny | small | preset")
+  p.add_argument("--batch-sizes", default="1,4,16,64")
+  p.add_argument("--windows", default="1,5")
+  p.add_argument("--cache-len", type=int, default=256, help="cache bucket (slots)")
+  p.add_argument("--steps", type=int, default=32)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  config, params, mask_id = load(args.model, args.seed)
+  bw = memory_bandwidth()
+  print(f"model={args.model} params={qwen2.num_params(params):,} cache_len={args.cache_len} "
+        f"memory bandwidth (array copy, this run) {bw / 1e9:.1f} GB/s")
+  print(f"{'batch':>5} {'W':>2} {'ms/step':>8} {'roofline ms':>11} {'x roofline':>10} "
+        f"{'GFLOP':>7} {'MB accessed':>11} {'copies':>6} {'copy MB':>8}")
+  for b in (int(x) for x in args.batch_sizes.split(",")):
+    for w in (int(x) for x in args.windows.split(",")):
+      c = step_cost(config, params, batch=b, cache_len=args.cache_len, window=w,
+                    mask_token_id=mask_id)
+      s = sampling.step_seconds(config, params, batch=b, cache_len=args.cache_len, window=w,
+                                mode="gated", mask_token_id=mask_id, steps=args.steps,
+                                repeats=3)
+      roof = sum(forward_bytes(config, qwen2.DEFAULT_RUNTIME, b, args.cache_len)) / bw
+      print(f"{b:5d} {w:2d} {s * 1e3:8.2f} {roof * 1e3:11.3f} {s / roof:10.1f} "
+            f"{c['flops'] / 1e9:7.3f} {c['bytes_accessed'] / 1e6:11.1f} "
+            f"{c['layout_copies']:6d} {c['layout_copy_bytes'] / 1e6:8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,13 +1,18 @@
-"""`python -m mars_jax.bench {step,sample} ...`: benchmarks that print their peer.
+"""`python -m mars_jax.bench {step,sample,device} ...`: benchmarks that print their peer.
 
   step    MARS train step vs AR-SFT step at equal (b, L); chunked vs naive loss memory
   sample  MARS decoding vs our jitted AR loop vs transformers' generate
+  decode  where a decoding step's time goes: measured step vs the memory roofline,
+          XLA's cost analysis and the layout copies left in the compiled step
+  device  the accelerator check's figures (launch/device_check.sh): bf16 step times and
+          MFU, decoding vs AR and vs the HBM roofline; --smoke for tiny shapes on CPU
 """
 
 import importlib
 import sys
 
-_COMMANDS = {"step": "mars_jax.benchmarks.step", "sample": "mars_jax.benchmarks.sample"}
+_COMMANDS = {"step": "mars_jax.benchmarks.step", "sample": "mars_jax.benchmarks.sample",
+             "device": "mars_jax.benchmarks.device", "decode": "mars_jax.benchmarks.decode_cost"}
 
 
 def main(argv=None) -> None:

@@ -16,7 +16,8 @@ def run(script, *args, env=None):
                         check=True).stdout
 
 
-@pytest.mark.parametrize("script", ["local.sh", "gpu_slurm.sbatch", "tpu_vm.sh"])
+@pytest.mark.parametrize("script", ["local.sh", "gpu_slurm.sbatch", "tpu_vm.sh",
+                                    "device_check.sh"])
 def test_help(script):
   assert "Usage:" in run(script, "--help")
 
@@ -55,6 +56,39 @@ def test_tpu_dry_run():
   assert any("--worker=all" in l and "mars_jax.train" in l and "configs/x.py" in l
              for l in lines)
   assert lines[-1].startswith("gcloud compute tpus tpu-vm delete mars")
+
+
+def test_device_check_dry_run(tmp_path):
+  """The README's install order, the marked tests on the GPU, every bench section under
+  its limit (the bench's own limit 15 s under the section's), then the report."""
+  out = run("device_check.sh", "--dry-run", "--installer", "pip", "--limits", "decode=120",
+            "--peak-tflops", "900", str(tmp_path / "dev")).splitlines()
+  text = "\n".join(out)
+  reqs = next(i for i, l in enumerate(out) if l.endswith("install -q -r requirements.txt"))
+  jax_gpu = next(i for i, l in enumerate(out) if "install -q -U 'jax[cuda13]>=0.11,<0.12'" in l)
+  torch_cpu = next(i for i, l in enumerate(out) if "torch==" in l and "whl/cpu" in l)
+  test_deps = next(i for i, l in enumerate(out) if "pytest==" in l and "safetensors==" in l)
+  assert reqs < jax_gpu < torch_cpu < test_deps and "lm-eval" not in text
+  assert "assert d.platform == \"gpu\"" in text
+  assert "JAX_PLATFORMS=cuda" in text and "-m pytest -q -m device -n 0" in text
+  assert "tests/test_sampling.py" in text and "tests/test_lm_eval.py" not in text
+  for name, soft in (("train", 50), ("decode", 105), ("decode_7b", 50)):
+    assert f"--peak-tflops 900 --merge --sections {name} --limits {name}={soft}" in text
+  assert out[-1].endswith("--report") and not (tmp_path / "dev").exists()
+
+
+def test_device_check_skips_what_the_budget_cannot_hold(tmp_path):
+  """Sections that would pass the overall budget are skipped and say so; the report is
+  still written."""
+  import sys  # pylint: disable=import-outside-toplevel
+  r = subprocess.run(["bash", os.path.join(ROOT, "launch", "device_check.sh"), "--smoke",
+                      "--budget", "20", "--venv", sys.prefix, str(tmp_path)],
+                     capture_output=True, text=True)
+  assert r.returncode == 0, r.stdout + r.stderr
+  for name in ("tests", "train", "decode", "decode_7b"):
+    assert f"== {name}: SKIPPED" in r.stdout
+  md = (tmp_path / "device.md").read_text()
+  assert "| decode_7b | 65 | 0 | skipped (budget) |" in md
 
 
 def test_scripts_refuse_missing_train_args():

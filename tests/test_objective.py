@@ -126,6 +126,7 @@ def max_tree_diff(a, b):
                                                             jax.tree.leaves(b)))
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("tie,block,normalization,length", [
     (True, 4, "sequence", 11), (False, 3, "token", 12)])
 def test_one_pass_equals_separate_passes(tie, block, normalization, length):

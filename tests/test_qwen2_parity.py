@@ -31,6 +31,7 @@ def causal(b, t):
   return np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t))
 
 
+@pytest.mark.device
 @family
 @pytest.mark.parametrize("tie,kv", [(True, 2), (False, 2), (True, 1), (False, 4)])
 def test_logits_match_transformers(hf_tiny, family, tie, kv):

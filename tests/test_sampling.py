@@ -99,6 +99,7 @@ def first_new_at_mask(windows):
   return None
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("window,metric,head_scale", [
     (1, "probability", 1.0), (BLOCK + 1, "probability", 1.0), (BLOCK + 1, "margin", 1.0),
     (BLOCK + 1, "probability", 50.0), (BLOCK + 1, "margin", 50.0)])
@@ -171,7 +172,7 @@ def test_cache_holds_committed_kv(model):
         config, params, seq[i:i + 1, :n], jnp.arange(n)[None], qwen2.init_cache(config, 1, n),
         jnp.arange(n)[None], jnp.tril(jnp.ones((n, n), bool))[None])[1]
     for key in ("k", "v"):
-      np.testing.assert_allclose(np.asarray(state.cache[key][:, i, :n]),
+      np.testing.assert_allclose(np.asarray(state.cache[key][:, i, :, :n]),
                                  np.asarray(full[key][:, 0]), atol=1e-5, rtol=0)
 
 

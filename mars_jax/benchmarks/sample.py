@@ -122,12 +122,14 @@ def load_model(args) -> BenchModel:
   return BenchModel(config, params, mask_id, _random_prompts(args.prompt_len, mask_id))
 
 
-def ours(m: BenchModel, prompts, *, max_new, window, tau, metric, mode="gated", policy=None):
-  """A call of our sampler -> (tokens, tokens per forward, forwards, windows used)."""
+def ours(m: BenchModel, prompts, *, max_new, window, tau, metric, mode="gated", policy=None,
+         runtime: qwen2.Runtime = qwen2.DEFAULT_RUNTIME):
+  """A call of our sampler (params computed in `runtime`) -> (tokens, tokens per forward,
+  forwards, windows used)."""
   def call():
     out = sampling.generate(m.config, m.params, prompts, max_new_tokens=max_new,
                             mask_token_id=m.mask_id, eos_token_ids=(), tau=tau, window=window,
-                            metric=metric, mode=mode, policy=policy)
+                            metric=metric, mode=mode, policy=policy, runtime=runtime)
     return out.tokens, out.tokens_per_forward, out.forwards, out.windows
   return call
 

@@ -94,6 +94,32 @@ def test_runtime_variants_equal(hf_tiny, family, impl, scan):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [4, 8, 32])
+def test_cached_attention_equals_dense_attention_over_the_written_cache(chunk):
+  """Blocks of `chunk` slots up to the last visible one, with this step's K/V read in
+  place of the slots they overwrite, equal one softmax over the cache after the writes
+  (holes in the mask, a dropped write, a visible slot in the last block only)."""
+  rng = np.random.default_rng(7)
+  b, t, h, kvh, d, slots = 2, 3, 4, 2, 8, 32
+  q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+  k, v = (rng.standard_normal((b, t, kvh, d)).astype(np.float32) for _ in range(2))
+  cache_k, cache_v = (rng.standard_normal((b, kvh, slots, d)).astype(np.float32)
+                      for _ in range(2))
+  write = np.array([[5, 6, slots], [9, 10, 11]], np.int32)
+  mask = rng.random((b, t, slots)) < 0.4
+  mask[0, 0] = False
+  mask[0, 0, slots - 1] = True            # only the last block is visible to this query
+  got = qwen2.cached_attention(q, k, v, cache_k, cache_v, mask, write, chunk=chunk)
+  after_k, after_v = cache_k.copy(), cache_v.copy()
+  for i in range(b):
+    for j in range(t):
+      if write[i, j] < slots:
+        after_k[i, :, write[i, j]], after_v[i, :, write[i, j]] = k[i, j], v[i, j]
+  want = qwen2.attention(q, after_k.transpose(0, 2, 1, 3), after_v.transpose(0, 2, 1, 3),
+                         mask, "xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
 @family
 def test_cached_steps_equal_full_forward(hf_tiny, family):
   """Prefill then token-by-token cached steps give the full forward's logits and K/V."""

@@ -119,7 +119,7 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
 
 
 def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Array,
-                     mask: Array, write_index: Array) -> Array:
+                     mask: Array, write_index: Array, *, chunk: int = 64) -> Array:
   """Grouped-query attention over a KV cache as it is once this step's K/V are written,
   without writing them: the cache is only read here, and the caller writes every
   layer's new K/V into it once (no per-layer copy of the cache).
@@ -131,7 +131,11 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
 
     scores = [ q.cache_k  masked by mask & slot not written | q.k  masked by mask at
                the slot each new token goes to ]  -> one softmax over S + t
-  -> [b, t, heads, d].
+
+  The cache part is read in blocks of `chunk` slots, only up to the last block that
+  any query may see (a `fori_loop` with an online softmax), so a step costs what the
+  live part of the cache costs, not the whole bucket. A query that may see nothing
+  gets zeros. -> [b, t, heads, d].
   """
   b, t, h, d = q.shape
   kvh, slots = cache_k.shape[1], cache_k.shape[2]
@@ -140,17 +144,39 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   at_slot = jnp.broadcast_to(jnp.where(live, write_index, 0)[:, None, :], (b, t, t))
   mask_new = jnp.take_along_axis(mask, at_slot, axis=2) & live[:, None, :]
   mask_old = mask & ~written[:, None, :]
-  qg = q.reshape(b, t, kvh, h // kvh, d)
-  scale = jnp.sqrt(d).astype(jnp.float32)
+  qg = q.reshape(b, t, kvh, h // kvh, d) / jnp.sqrt(d).astype(q.dtype)
   neg = jnp.finfo(jnp.float32).min
-  s_old = jnp.einsum("btkgd,bksd->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+
+  def update(carry, scores, visible, values, spec):
+    """Online softmax: fold one block of scores [b, k, g, t, n] into (max, sum, acc)."""
+    m, l, acc = carry
+    scores = jnp.where(visible[:, None, None], scores, neg)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.where(visible[:, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
+    decay = jnp.exp(m - m_new)
+    acc = acc * decay[..., None] + jnp.einsum(spec, p.astype(values.dtype), values,
+                                              preferred_element_type=jnp.float32)
+    return m_new, l * decay + jnp.sum(p, axis=-1), acc
+
+  def block(i, carry):
+    start = i * chunk
+    ks = jax.lax.dynamic_slice_in_dim(cache_k, start, chunk, axis=2)
+    vs = jax.lax.dynamic_slice_in_dim(cache_v, start, chunk, axis=2)
+    seen = jax.lax.dynamic_slice_in_dim(mask_old, start, chunk, axis=2)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, ks, preferred_element_type=jnp.float32)
+    return update(carry, scores, seen, vs, "bkgts,bksd->bkgtd")
+
+  init = (jnp.full((b, kvh, h // kvh, t), neg, jnp.float32),
+          jnp.zeros((b, kvh, h // kvh, t), jnp.float32),
+          jnp.zeros((b, kvh, h // kvh, t, d), jnp.float32))
+  if slots % chunk:
+    chunk = slots
+  seen_slots = jnp.max(jnp.where(jnp.any(mask_old, axis=(0, 1)), jnp.arange(slots) + 1, 0))
+  carry = jax.lax.fori_loop(0, (seen_slots + chunk - 1) // chunk, block, init)
   s_new = jnp.einsum("btkgd,bjkd->bkgtj", qg, k, preferred_element_type=jnp.float32)
-  scores = jnp.concatenate([jnp.where(mask_old[:, None, None], s_old / scale, neg),
-                            jnp.where(mask_new[:, None, None], s_new / scale, neg)], axis=-1)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :slots], cache_v)
-         + jnp.einsum("bkgtj,bjkd->btkgd", probs[..., slots:], v))
-  return out.reshape(b, t, h, d)
+  _, l, acc = update(carry, s_new, mask_new, v, "bkgtj,bjkd->bkgtd")
+  out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(v.dtype)
 
 
 class Attention(nn.Module):

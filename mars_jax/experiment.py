@@ -16,7 +16,8 @@ import jax
 from jax.experimental import multihost_utils
 
 from mars_jax import evaluate, hf, train_config, trainer
-from mars_jax.data import build_char_tokenizer, model_vocab_size, synthetic, task_settings
+from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
+from mars_jax.data.tokenizer import BUILDERS
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model
 
 
@@ -25,8 +26,8 @@ def _model_and_tokenizer(cfg, runtime):
   mask id)."""
   init = cfg.model.init
   if init == "random":
-    if cfg.tokenizer in (None, "char"):
-      tok = build_char_tokenizer()
+    if cfg.tokenizer in (None, *BUILDERS):
+      tok = build_tokenizer(cfg.tokenizer or "char")
       config = train_config.random_model_config(
           cfg, vocab_size=model_vocab_size(tok),
           bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
@@ -36,7 +37,7 @@ def _model_and_tokenizer(cfg, runtime):
     tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size)
     return config, None, tok, mask_id
   loaded = load_model(init, runtime=runtime)
-  if cfg.tokenizer not in (None, "char"):
+  if cfg.tokenizer not in (None, *BUILDERS):  # an embedded name: the model's own tokenizer
     tok, mask_id = hf.load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
     return loaded.config, loaded.params, tok, mask_id
   return loaded.config, loaded.params, loaded.tokenizer, loaded.mask_token_id

@@ -84,7 +84,7 @@ def two_stream_mask(length: int, block_size: int, *, intra_block: str = "causal"
   """
   pos = jnp.arange(length, dtype=jnp.int32)
   seg = jnp.ones((length,), jnp.int32)
-  return _two_stream(pos, seg, block_size, intra_block)
+  return _two_stream(pos, seg, pos, seg, block_size, intra_block)
 
 
 def two_stream_segment_mask(segment_ids: Array, positions: Array, block_size: int, *,
@@ -95,8 +95,24 @@ def two_stream_segment_mask(segment_ids: Array, positions: Array, block_size: in
   positions that define the blocks (see `segment_positions`). Each rule of
   `two_stream_mask` additionally requires equal, non-zero segment ids.
   """
-  return jax.vmap(lambda p, s: _two_stream(p, s, block_size, intra_block))(
-      positions, segment_ids)
+  return two_stream_target_mask(segment_ids, positions, segment_ids, positions, block_size,
+                                intra_block=intra_block)
+
+
+def two_stream_target_mask(segment_ids: Array, positions: Array, noisy_segment_ids: Array,
+                           noisy_positions: Array, block_size: int, *,
+                           intra_block: str = "causal") -> Array:
+  """Two-stream mask over [clean | a noisy stream of any tokens]: bool[b, L + n, L + n].
+
+  segment_ids, positions: int32[b, L] of the clean row; noisy_segment_ids,
+  noisy_positions: int32[b, n] of each noisy token (0 = padding), e.g. only the
+  blocks that hold a target (`objective.target_stream`), in row order. The rules
+  of `two_stream_mask` are read off each token's segment, position and block
+  (position // B), never its index, so a noisy stream that keeps only some blocks
+  gets, for the tokens it keeps, exactly the rows and columns of the full mask.
+  """
+  return jax.vmap(lambda p, s, pn, sn: _two_stream(p, s, pn, sn, block_size, intra_block))(
+      positions, segment_ids, noisy_positions, noisy_segment_ids)
 
 
 def _same_segment(seg_q: Array, seg_k: Array) -> Array:
@@ -104,19 +120,20 @@ def _same_segment(seg_q: Array, seg_k: Array) -> Array:
   return (seg_q[..., :, None] == seg_k[..., None, :]) & (seg_q[..., :, None] != 0)
 
 
-def _two_stream(positions: Array, segment_ids: Array, block_size: int,
-                intra_block: str) -> Array:
-  """positions, segment_ids: int32[L] -> bool[2L, 2L] over [clean | noisy]."""
+def _two_stream(positions: Array, segment_ids: Array, noisy_positions: Array,
+                noisy_segment_ids: Array, block_size: int, intra_block: str) -> Array:
+  """int32[L] clean and int32[n] noisy positions and segments -> bool[L + n, L + n]."""
   if intra_block not in INTRA_BLOCK:
     raise ValueError(f"intra_block={intra_block!r}; expected one of {list(INTRA_BLOCK)}.")
   if block_size < 1:
     raise ValueError(f"block_size={block_size}; must be >= 1.")
-  length = positions.shape[-1]
-  same = _same_segment(segment_ids, segment_ids)
-  causal = causal_mask(length) & same
-  blk = positions // block_size
-  same_block = (blk[:, None] == blk[None, :]) & same
-  noisy_noisy = same_block & causal if intra_block == "causal" else same_block
-  noisy_clean = (blk[None, :] < blk[:, None]) & same
-  never = jnp.zeros((length, length), bool)
+  causal = causal_mask(positions.shape[-1]) & _same_segment(segment_ids, segment_ids)
+  blk, noisy_blk = positions // block_size, noisy_positions // block_size
+  same_block = ((noisy_blk[:, None] == noisy_blk[None, :])
+                & _same_segment(noisy_segment_ids, noisy_segment_ids))
+  noisy_noisy = same_block & (noisy_positions[None, :] <= noisy_positions[:, None]
+                              if intra_block == "causal" else True)
+  noisy_clean = (blk[None, :] < noisy_blk[:, None]) & _same_segment(noisy_segment_ids,
+                                                                    segment_ids)
+  never = jnp.zeros((positions.shape[-1], noisy_positions.shape[-1]), bool)
   return jnp.block([[causal, never], [noisy_clean, noisy_noisy]])

@@ -16,6 +16,13 @@ the loss of the whole batch:
               (a sequence without targets contributes 0 but still counts);
   "token"     sum of CE over all targets / number of targets.
 
+Only the blocks that hold a target reach the parts of the step that only targets
+need: the MARS noisy stream carries each row's target blocks (`target_stream`,
+n = `stream_length` positions, each token with its own position and segment, the
+mask built from those), and the unembedding and cross-entropy run at those n
+positions of each stream (B = 1 for AR-SFT: the targets themselves). The loss is
+the full two-stream loss whenever the target blocks fit in n.
+
 The unembedding and cross-entropy run over chunks of the sequence in a
 `lax.scan` whose body is rematerialised, so float32 logits exist for one chunk
 `[b, chunk, vocab]` at a time, forward and backward.
@@ -50,6 +57,11 @@ class ObjectiveConfig:
   intra_block: "causal" (MARS) or "bidirectional" (Block Diffusion baseline).
   normalization: "sequence" or "token". chunk_size: sequence positions per
   cross-entropy chunk; None computes full logits at once (reference only).
+  stream_length: n, the static length of each row's target stream (`target_stream`:
+  the blocks that hold a target, packed to the front): the MARS noisy stream and
+  the positions unembedded in both streams. None: the row length L (nothing can be
+  cut). A row whose target blocks exceed n loses the targets past the first n
+  positions (`rows_cut` counts it); the trainer derives an n that fits the data.
   """
 
   kind: str = "mars"
@@ -59,13 +71,15 @@ class ObjectiveConfig:
   intra_block: str = "causal"
   normalization: str = "sequence"
   chunk_size: int | None = 256
+  stream_length: int | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"objective.kind={self.kind!r}; expected one of {list(KINDS)}.")
     if self.block_size < 1:
       raise ValueError(f"objective.block_size={self.block_size}; must be >= 1.")
-    if self.kind == "mars" and (self.mask_token_id is None or self.mask_token_id < 0):
+    if self.kind == "mars" and (self.mask_token_id is None or (
+        isinstance(self.mask_token_id, (int, np.integer)) and self.mask_token_id < 0)):
       raise ValueError("objective.mask_token_id is required for kind='mars' (the id of "
                        "<|mask|>, see mars_jax.hf.load_tokenizer).")
     if self.ar_weight < 0:
@@ -78,6 +92,9 @@ class ObjectiveConfig:
                        f"{list(NORMALIZATIONS)}.")
     if self.chunk_size is not None and self.chunk_size < 1:
       raise ValueError(f"objective.chunk_size={self.chunk_size}; must be >= 1 or None.")
+    if self.stream_length is not None and self.stream_length < 1:
+      raise ValueError(f"objective.stream_length={self.stream_length}; must be >= 1 or "
+                       "None (the row length).")
 
 
 # ---- batch fields ------------------------------------------------------------------
@@ -119,22 +136,90 @@ def prepare(batch: Batch) -> dict[str, Array]:
 
 def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
                       intra_block: str = "causal") -> tuple[Array, Array, Array]:
-  """Model inputs of the two-stream pass over [clean | noisy].
+  """Model inputs of the full two-stream pass over [clean | noisy] (every block kept).
 
   -> tokens: int32[b, 2L] (noisy = MASK on every loss_mask token), positions:
      int32[b, 2L] (the same positions twice), attn_mask: bool[b, 2L, 2L].
   """
-  return _two_stream(prepare(batch), block_size, mask_token_id, intra_block)
+  f = prepare(batch)
+  length = f["tokens"].shape[1]
+  everything = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), f["tokens"].shape)
+  stream = {"index": everything, "valid": jnp.ones(f["tokens"].shape, bool)}
+  return _two_stream(f, stream, block_size, mask_token_id, intra_block)
 
 
-def _two_stream(f: dict[str, Array], block_size: int, mask_token_id: int,
-                intra_block: str) -> tuple[Array, Array, Array]:
-  """`two_stream_inputs` from the fields of `prepare`."""
-  noisy = jnp.where(f["loss_mask"], jnp.int32(mask_token_id), f["tokens"])
+def target_block_lengths(f: dict[str, Array], block_size: int) -> Array:
+  """Positions of each row in blocks that hold a target: int32[b].
+
+  f: the fields of `prepare`. A block is B consecutive positions of one segment,
+  counted from its start (position // B); it holds a target when any of its
+  outputs counts (`target`). Padding (segment 0) is never kept.
+  """
+  keep = _in_target_block(f, block_size)
+  return jnp.sum(keep, axis=1, dtype=jnp.int32)
+
+
+def _in_target_block(f: dict[str, Array], block_size: int) -> Array:
+  """bool[b, L]: the position is in a block (of its segment) that holds a target."""
+  seg, blk = f["segment_ids"], f["positions"] // block_size
+  new_block = jnp.concatenate([jnp.ones_like(seg[:, :1], bool),
+                               (seg[:, 1:] != seg[:, :-1]) | (blk[:, 1:] != blk[:, :-1])],
+                              axis=1)
+  run = jnp.cumsum(new_block, axis=1) - 1
+  length = seg.shape[1]
+  has = jax.vmap(lambda t, r: jax.ops.segment_max(t, r, num_segments=length))(
+      f["target"].astype(jnp.int32), run)
+  return (jnp.take_along_axis(has, run, axis=1) > 0) & (seg != 0)
+
+
+def fitting_stream_length(longest: int, block_size: int, row_length: int) -> int:
+  """The stream length for rows of at most `longest` target-block positions: rounded up
+  to a multiple of 8 and of B, at most the row length."""
+  unit = int(np.lcm(8, block_size))
+  return min(-(-int(longest) // unit) * unit, row_length)
+
+
+def target_stream(f: dict[str, Array], block_size: int, length: int) -> dict[str, Array]:
+  """Each row's target blocks, in row order, packed to the front of `length` slots.
+
+  f: the fields of `prepare` ([b, L]). -> index: int32[b, length] (the row position
+  each slot holds; L on padding slots), valid: bool[b, length], cut: bool[b] (the
+  row's target blocks have more than `length` positions; those past it are dropped).
+
+    target      . . . . . . T T T T T . . .     (B = 4, L = 14)
+    blocks      [0      ] [1      ] [2      ] [3  ]
+    index       4 5 6 7 8 9 10 11 L L ...         (blocks 1 and 2)
+  """
+  keep = _in_target_block(f, block_size)
+  b, rows = keep.shape
+  rank = jnp.cumsum(keep, axis=1) - 1
+  slot = jnp.where(keep & (rank < length), rank, length)   # out of range: dropped
+  index = jnp.full((b, length), rows, jnp.int32).at[jnp.arange(b)[:, None], slot].set(
+      jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (b, rows)), mode="drop")
+  return {"index": index, "valid": index < rows,
+          "cut": jnp.sum(keep, axis=1) > length}
+
+
+def _gather(a: Array, stream: dict[str, Array], fill=0) -> Array:
+  """a: [b, L, ...] -> [b, n, ...] at the stream's positions (`fill` on padding slots)."""
+  index = jnp.minimum(stream["index"], a.shape[1] - 1)
+  index = index.reshape(index.shape + (1,) * (a.ndim - 2))
+  valid = stream["valid"].reshape(index.shape)
+  return jnp.where(valid, jnp.take_along_axis(a, index, axis=1), fill)
+
+
+def _two_stream(f: dict[str, Array], stream: dict[str, Array], block_size: int,
+                mask_token_id: int, intra_block: str) -> tuple[Array, Array, Array]:
+  """[clean row | noisy target stream] inputs: tokens, positions int32[b, L + n] and
+  attn_mask bool[b, L + n, L + n]; each noisy token is MASK where the clean one is a
+  response token (loss_mask), the clean token elsewhere, at its own position."""
+  noisy = _gather(jnp.where(f["loss_mask"], jnp.int32(mask_token_id), f["tokens"]), stream)
+  noisy_pos = _gather(f["positions"], stream)
+  noisy_seg = _gather(f["segment_ids"], stream)
   tokens = jnp.concatenate([f["tokens"], noisy], axis=1)
-  positions = jnp.concatenate([f["positions"], f["positions"]], axis=1)
-  attn_mask = masks.two_stream_segment_mask(f["segment_ids"], f["positions"], block_size,
-                                            intra_block=intra_block)
+  positions = jnp.concatenate([f["positions"], noisy_pos], axis=1)
+  attn_mask = masks.two_stream_target_mask(f["segment_ids"], f["positions"], noisy_seg,
+                                           noisy_pos, block_size, intra_block=intra_block)
   return tokens, positions, attn_mask
 
 
@@ -218,81 +303,92 @@ def check_mask_token_id(config: qwen2.Qwen2Config, mask_token_id) -> None:
         "(it takes a spare embedding row), or resize the embeddings.")
 
 
-def mars_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
-              mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
-              normalization: str = "sequence", chunk_size: int | None = 256,
-              runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, Array]:
-  """Unnormalised MARS loss and metric sums of one batch (see `finalize`).
+def _stream_length(objective: ObjectiveConfig, length: int) -> int:
+  return min(objective.stream_length or length, length)
 
-  One forward pass over [clean | noisy] (2L positions). Sums: loss, ce_ar, ce_mask,
-  denom, targets, correct_ar: float32[]; correct_offset, count_offset: float32[B]
-  (noisy-stream outputs at in-block offset 1..B: slot j of a block, whose target is
-  j+1 tokens past the last clean token it sees).
-  """
-  check_mask_token_id(config, mask_token_id)
-  f = prepare(batch)
+
+def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
+               objective: ObjectiveConfig, runtime: Runtime) -> dict[str, Array]:
+  """MARS sums of the fields `f` of one batch (see `objective_sums`)."""
+  check_mask_token_id(config, objective.mask_token_id)
+  block = objective.block_size
   length = f["tokens"].shape[1]
-  tokens, positions, attn_mask = _two_stream(f, block_size, mask_token_id, intra_block)
+  stream = target_stream(f, block, _stream_length(objective, length))
+  n = stream["index"].shape[1]
+  tokens, positions, attn_mask = _two_stream(f, stream, block, objective.mask_token_id,
+                                             objective.intra_block)
   hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask,
                                 runtime=runtime)
-  labels = jnp.concatenate([f["labels"], f["labels"]], axis=1)
-  ce, correct = token_cross_entropy(config, params, hidden, labels, chunk_size=chunk_size,
-                                    runtime=runtime)
-  weights, denom = sequence_weights(f["target"], f["segment_ids"], normalization)
-  target = f["target"].astype(jnp.float32)
-  ce_ar = jnp.sum(weights * ce[:, :length])
-  ce_mask = jnp.sum(weights * ce[:, length:])
-  offset = jax.nn.one_hot(f["positions"] % block_size, block_size) * target[..., None]
+  # unembed only the target stream's positions, in both streams: [b, 2n, embed]
+  hidden = jnp.concatenate([_gather(hidden[:, :length], stream), hidden[:, length:]], axis=1)
+  labels = _gather(f["labels"], stream)
+  ce, correct = token_cross_entropy(config, params, hidden,
+                                    jnp.concatenate([labels, labels], axis=1),
+                                    chunk_size=objective.chunk_size, runtime=runtime)
+  weights, denom = sequence_weights(f["target"], f["segment_ids"], objective.normalization)
+  weights = _gather(weights, stream, 0.0)
+  target = _gather(f["target"], stream, False).astype(jnp.float32)
+  ce_ar = jnp.sum(weights * ce[:, :n])
+  ce_mask = jnp.sum(weights * ce[:, n:])
+  offset = (jax.nn.one_hot(_gather(f["positions"], stream) % block, block)
+            * target[..., None])
   return dict(
-      loss=ce_mask + ar_weight * ce_ar, ce_ar=ce_ar, ce_mask=ce_mask, denom=denom,
-      targets=jnp.sum(target), correct_ar=jnp.sum(target * correct[:, :length]),
-      correct_offset=jnp.einsum("blk,bl->k", offset, correct[:, length:].astype(jnp.float32)),
-      count_offset=jnp.sum(offset, axis=(0, 1)))
+      loss=ce_mask + objective.ar_weight * ce_ar, ce_ar=ce_ar, ce_mask=ce_mask, denom=denom,
+      targets=jnp.sum(target), correct_ar=jnp.sum(target * correct[:, :n]),
+      correct_offset=jnp.einsum("blk,bl->k", offset, correct[:, n:].astype(jnp.float32)),
+      count_offset=jnp.sum(offset, axis=(0, 1)),
+      rows_cut=jnp.sum(stream["cut"], dtype=jnp.float32))
 
 
-def ar_sft_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
-                normalization: str = "sequence", chunk_size: int | None = 256,
-                runtime: Runtime = DEFAULT_RUNTIME) -> dict[str, Array]:
-  """Unnormalised AR-SFT sums (plain causal pass over L): loss, ce_ar, denom, targets,
-  correct_ar: float32[]."""
-  f = prepare(batch)
+def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
+                 objective: ObjectiveConfig, runtime: Runtime) -> dict[str, Array]:
+  """AR-SFT sums of the fields `f` of one batch: a causal pass over L, unembedded only
+  at the targets (`target_stream` with B = 1)."""
   attn_mask = masks.segment_causal_mask(f["segment_ids"])
   hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,
                                 runtime=runtime)
-  ce, correct = token_cross_entropy(config, params, hidden, f["labels"],
-                                    chunk_size=chunk_size, runtime=runtime)
-  weights, denom = sequence_weights(f["target"], f["segment_ids"], normalization)
-  target = f["target"].astype(jnp.float32)
+  stream = target_stream(f, 1, _stream_length(objective, f["tokens"].shape[1]))
+  ce, correct = token_cross_entropy(config, params, _gather(hidden, stream),
+                                    _gather(f["labels"], stream),
+                                    chunk_size=objective.chunk_size, runtime=runtime)
+  weights, denom = sequence_weights(f["target"], f["segment_ids"], objective.normalization)
+  weights = _gather(weights, stream, 0.0)
+  target = _gather(f["target"], stream, False).astype(jnp.float32)
   ce_ar = jnp.sum(weights * ce)
   return dict(loss=ce_ar, ce_ar=ce_ar, denom=denom, targets=jnp.sum(target),
-              correct_ar=jnp.sum(target * correct))
+              correct_ar=jnp.sum(target * correct),
+              rows_cut=jnp.sum(stream["cut"], dtype=jnp.float32))
 
 
 def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
                    objective: ObjectiveConfig, *, runtime: Runtime = DEFAULT_RUNTIME
                    ) -> dict[str, Array]:
-  """`mars_sums` or `ar_sft_sums` as `objective.kind` says."""
+  """Unnormalised loss and metric sums of one batch, as `objective.kind` says (see
+  `finalize`).
+
+  MARS: one forward pass over [clean row (L) | noisy target stream (n)]. Sums: loss,
+  ce_ar, ce_mask, denom, targets, correct_ar, rows_cut: float32[]; correct_offset,
+  count_offset: float32[B] (noisy-stream outputs at in-block offset 1..B: slot j of a
+  block, whose target is j+1 tokens past the last clean token it sees).
+  AR-SFT: a causal pass over L. Sums: loss, ce_ar, denom, targets, correct_ar, rows_cut.
+  """
+  f = prepare(batch)
   if objective.kind == "ar_sft":
-    return ar_sft_sums(config, params, batch, normalization=objective.normalization,
-                       chunk_size=objective.chunk_size, runtime=runtime)
-  return mars_sums(config, params, batch, block_size=objective.block_size,
-                   mask_token_id=objective.mask_token_id, ar_weight=objective.ar_weight,
-                   intra_block=objective.intra_block,
-                   normalization=objective.normalization, chunk_size=objective.chunk_size,
-                   runtime=runtime)
+    return _ar_sft_sums(config, params, f, objective, runtime)
+  return _mars_sums(config, params, f, objective, runtime)
 
 
 def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
   """Sums (of one batch, or added over micro-batches) -> (loss, metrics).
 
-  metrics (float32 scalars): loss, ce_ar, acc_ar, targets, and for MARS ce_mask and
-  acc_offset_1 .. acc_offset_B.
+  metrics (float32 scalars): loss, ce_ar, acc_ar, targets, rows_cut (rows whose target
+  blocks did not fit `stream_length`), and for MARS ce_mask and acc_offset_1 .. B.
   """
   denom = jnp.maximum(sums["denom"], 1.0)
   targets = jnp.maximum(sums["targets"], 1.0)
   loss = sums["loss"] / denom
   metrics = dict(loss=loss, ce_ar=sums["ce_ar"] / denom, acc_ar=sums["correct_ar"] / targets,
-                 targets=sums["targets"])
+                 targets=sums["targets"], rows_cut=sums["rows_cut"])
   if "ce_mask" in sums:
     metrics["ce_mask"] = sums["ce_mask"] / denom
     acc = sums["correct_offset"] / jnp.maximum(sums["count_offset"], 1.0)
@@ -307,21 +403,26 @@ def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
 def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
               normalization: str = "sequence", chunk_size: int | None = 256,
+              stream_length: int | None = None,
               runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """L = CE_mask + ar_weight * CE_AR from one two-stream pass (docs/design.md).
 
   batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
   "positions": int32[b, L]). -> (loss: float32[], metrics: see `finalize`).
+  The keywords are the fields of `ObjectiveConfig`.
   """
-  return finalize(mars_sums(config, params, batch, block_size=block_size,
-                            mask_token_id=mask_token_id, ar_weight=ar_weight,
-                            intra_block=intra_block, normalization=normalization,
-                            chunk_size=chunk_size, runtime=runtime))
+  objective = ObjectiveConfig(kind="mars", block_size=block_size, mask_token_id=mask_token_id,
+                              ar_weight=ar_weight, intra_block=intra_block,
+                              normalization=normalization, chunk_size=chunk_size,
+                              stream_length=stream_length)
+  return finalize(objective_sums(config, params, batch, objective, runtime=runtime))
 
 
 def ar_sft_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
                 normalization: str = "sequence", chunk_size: int | None = 256,
+                stream_length: int | None = None,
                 runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """Stage-1 AR SFT: causal CE on response tokens only. -> (loss, metrics)."""
-  return finalize(ar_sft_sums(config, params, batch, normalization=normalization,
-                              chunk_size=chunk_size, runtime=runtime))
+  objective = ObjectiveConfig(kind="ar_sft", normalization=normalization,
+                              chunk_size=chunk_size, stream_length=stream_length)
+  return finalize(objective_sums(config, params, batch, objective, runtime=runtime))

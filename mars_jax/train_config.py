@@ -12,9 +12,14 @@ anything is compiled.
   model.dtype, model.param_dtype, model.attention_impl, model.remat, model.scan_layers
                     the `Runtime` (mars_jax.models.config): how the model is stored
                     and computed; recorded in each run's layout.json
-  tokenizer         "char" (the embedded task's tokenizer), an HF directory, or None:
-                    the tokenizer of model.init
-  objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...)
+  tokenizer         "char" or "words" (the embedded task's tokenizers, for random
+                    init; mars_jax.data.tokenizer), an HF directory, or None: the
+                    tokenizer of model.init (also what an embedded name means when
+                    model.init is a model or run)
+  objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...);
+                    stream_length unset: the trainer derives the shortest target
+                    stream that holds every example's target blocks (the whole row
+                    when packing)
   optimizer.*       mars_jax.optimizer.OptimizerConfig (total_steps comes from train.steps)
   data.*            mars_jax.data.default_config()
   mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
@@ -55,7 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.tokenizer = placeholder(str)
   c.objective = ml_collections.ConfigDict(dict(
       kind="mars", block_size=4, ar_weight=1.0, intra_block="causal",
-      normalization="sequence", chunk_size=256))
+      normalization="sequence", chunk_size=256, stream_length=placeholder(int)))
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=5e-6, warmup_ratio=0.03, decay="cosine", final_lr_ratio=0.0,
       weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=1.0))
@@ -84,19 +89,25 @@ class Typed:
   mesh: MeshConfig
 
 
-def objective_config(cfg, mask_token_id: int | None) -> ObjectiveConfig:
-  return ObjectiveConfig(mask_token_id=mask_token_id, **cfg.objective.to_dict())
+def objective_config(cfg, mask_token_id: int | None, **override) -> ObjectiveConfig:
+  return ObjectiveConfig(mask_token_id=mask_token_id,
+                         **{**cfg.objective.to_dict(), **override})
 
 
-def typed(cfg, *, total_steps: int, mask_token_id: int | None) -> Typed:
-  """Typed configs of one stage; raises ValueError naming the bad field."""
+def typed(cfg, *, total_steps: int, mask_token_id: int | None,
+          stream_length: int | None = None) -> Typed:
+  """Typed configs of one stage; raises ValueError naming the bad field.
+
+  `stream_length`: the objective's target-stream length when the trainer derived it
+  from the data (objective.stream_length unset)."""
   if cfg.train.batch_size < 1 or cfg.train.micro_batches < 1:
     raise ValueError(f"train.batch_size={cfg.train.batch_size}, train.micro_batches="
                      f"{cfg.train.micro_batches}; both must be >= 1.")
   if cfg.train.batch_size % cfg.train.micro_batches:
     raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                      f"train.micro_batches={cfg.train.micro_batches}.")
-  return Typed(objective=objective_config(cfg, mask_token_id),
+  override = {} if stream_length is None else {"stream_length": stream_length}
+  return Typed(objective=objective_config(cfg, mask_token_id, **override),
                optimizer=OptimizerConfig(total_steps=total_steps, **cfg.optimizer.to_dict()),
                mesh=MeshConfig(**cfg.mesh.to_dict()))
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from mars_jax import checkpoint, objective as objective_lib, sharding, train_config
 from mars_jax import train_step as ts
-from mars_jax.data import load_data, synthetic, task_settings
+from mars_jax.data import load_data, pad_example, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.optimizer import make_optimizer, make_schedule
 
@@ -113,6 +113,45 @@ def held_out_batches(cfg, data, name: str, *, shard_index: int,
   return batches[:cfg.train.eval_batches]
 
 
+def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
+  """The objective's target-stream length n (see `objective.target_stream`).
+
+  objective.stream_length when set; else derived from the data: without packing,
+  the most positions any train or eval example has in blocks that hold a target
+  (so no row is ever cut), rounded up to a multiple of 8 and of B; with packing,
+  the row length.
+  """
+  length = data.max_length
+  if cfg.objective.stream_length is not None:
+    n, why = cfg.objective.stream_length, "objective.stream_length"
+  elif data.config["packing"]:
+    n, why = length, "packed rows"
+  else:
+    block = 1 if cfg.objective.kind == "ar_sft" else cfg.objective.block_size
+    longest = max(_longest_target_blocks(source, block, length, data.pad_id)
+                  for source in (data.train, data.eval) if source is not None)
+    n = objective_lib.fitting_stream_length(longest, block, length)
+    why = f"the longest example's target blocks: {longest}"
+  if verbose:
+    print(f"[{name}] target stream: {n} of {length} positions per row ({why})", flush=True)
+  return int(n)
+
+
+def _longest_target_blocks(source, block_size: int, length: int, pad_id: int,
+                           rows: int = 4096) -> int:
+  """Max over the examples of `source` of their positions in target blocks."""
+  count = jax.jit(lambda b: objective_lib.target_block_lengths(objective_lib.prepare(b),
+                                                              block_size))
+  longest = 0
+  for start in range(0, len(source), rows):
+    batch = [pad_example(source[i], length, pad_id)
+             for i in range(start, min(start + rows, len(source)))]
+    batch += [batch[-1]] * (rows - len(batch))   # one compiled shape
+    stacked = {k: np.stack([ex[k] for ex in batch]) for k in ("tokens", "loss_mask")}
+    longest = max(longest, int(np.max(count(stacked))))
+  return longest
+
+
 def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:
   init = cfg.model.init
   return {**checkpoint.model_layout(model_config, runtime),
@@ -137,7 +176,9 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   total = cfg.train.steps or data.num_steps(batch_size)
   if not total:
     raise ValueError("train.steps is not set and data.num_epochs is None: set one of them.")
-  typed = train_config.typed(cfg, total_steps=total, mask_token_id=mask_id)
+  stream = stream_length(cfg, data, os.path.basename(run_dir), verbose=pid == 0)
+  typed = train_config.typed(cfg, total_steps=total, mask_token_id=mask_id,
+                             stream_length=stream)
   mesh = sharding.make_mesh(typed.mesh)
   tx = make_optimizer(typed.optimizer)
   step_fn = ts.make_train_step(model_config, typed.objective, tx, mesh,
@@ -180,12 +221,15 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   tokens_per_step = batch_size * data.max_length
   last_t, last_step = time.time(), start
   end = min(total, cfg.train.stop_at_step or total)
+  rows_cut = 0.0   # rows whose target blocks did not fit the stream (summed on device)
   try:
     for step in range(start, end):
       state, metrics = step_fn(state, global_batch(next(it), batch_sharding))
+      rows_cut = rows_cut + metrics["rows_cut"]
       done = step + 1
       if done % cfg.train.log_every == 0 or done == total:
         m = _to_float(metrics)
+        m["rows_cut"] = float(rows_cut)
         now = time.time()
         m["tokens_per_s"] = tokens_per_step * (done - last_step) / max(now - last_t, 1e-9)
         last_t, last_step = now, done
@@ -202,5 +246,10 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
     bar.close()
     writer.close()
     ckpt.close()
+  if pid == 0 and history and history[-1]["rows_cut"]:
+    print(f"[{os.path.basename(run_dir)}] warning: {history[-1]['rows_cut']:.0f} rows in "
+          f"this invocation had more target-block positions than the target stream's "
+          f"{stream}; their targets past it were not trained on (raise "
+          "objective.stream_length, or leave it unset to fit the data).", flush=True)
   return StageResult(config=model_config, params=state.params, history=history,
                      wall_s=time.time() - t0, finished=end == total)

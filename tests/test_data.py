@@ -13,7 +13,7 @@ from mars_jax.data import synthetic
 from mars_jax.data.chat import format_chats, pad_example
 from mars_jax.data.pipeline import default_config, load_data
 from mars_jax.data.tokenizer import (CHAT_TEMPLATE, IM_END, build_char_tokenizer,
-                                     model_vocab_size)
+                                     build_tokenizer, build_word_tokenizer, model_vocab_size)
 from mars_jax.data.validation import BadInputError
 
 
@@ -395,8 +395,46 @@ def test_tokenizer_ids_and_roundtrip(tok, tmp_path):
   assert again.eos_token == IM_END and again.pad_token_id == 0
 
 
-def test_tokenizer_through_hf_save_and_load(tok, tmp_path):
+@pytest.fixture(scope="module")
+def words():
+  return build_word_tokenizer()
+
+
+def test_word_tokenizer_keeps_words_whole_and_digits_single(words, tok):
+  chat = synthetic.chat_records(64, split="test")
+  text = words.apply_chat_template(chat[0]["messages"], tokenize=False)
+  ids = words(text, add_special_tokens=False)["input_ids"]
+  pieces = words.convert_ids_to_tokens(ids)
+  assert words.decode(ids) == text
+  for word in re.findall(r"[A-Za-z]+", chat[0]["messages"][0]["content"]):
+    assert word in pieces or "Ġ" + word in pieces, (word, pieces)
+  assert all(len(p) == 1 for p in pieces if any(ch.isdigit() for ch in p))
+  assert [words.convert_tokens_to_ids(t) for t in (
+      "<|endoftext|>", "<|im_start|>", "<|im_end|>", hf.MASK_TOKEN)] == [0, 1, 2, 3]
+  ours = [len(e["tokens"]) for e in format_chats(words, [c["messages"] for c in chat])]
+  chars = [len(e["tokens"]) for e in format_chats(tok, [c["messages"] for c in chat])]
+  assert max(ours) <= 64 and np.mean(ours) < 0.6 * np.mean(chars)
+  other = "Zoë pays 1,234.5 € — ok?\n\tdone"                # not task text: bytes, no loss
+  assert words.decode(words(other, add_special_tokens=False)["input_ids"]) == other
+  with pytest.raises(ValueError, match="'bytes'.*'char', 'words'"):
+    build_tokenizer("bytes")
+
+
+def test_word_tokenizer_is_the_same_in_every_process(words):
+  import subprocess
+  import sys
+  code = ("from mars_jax.data.tokenizer import build_word_tokenizer as b; "
+          "print(b().backend_tokenizer.to_str())")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                       check=True, env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
+  assert json.loads(out) == json.loads(words.backend_tokenizer.to_str())
+
+
+@pytest.mark.parametrize("name", ["char", "words"])
+def test_tokenizer_through_hf_save_and_load(name, tmp_path):
   import jax
+  tok = build_tokenizer(name)
   from mars_jax.models.qwen2 import Qwen2Config, init_params
   config = Qwen2Config(vocab_size=model_vocab_size(tok), hidden_size=16, intermediate_size=32,
                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -409,9 +447,9 @@ def test_tokenizer_through_hf_save_and_load(tok, tmp_path):
   # config.json says qwen2, so transformers rebuilds a Qwen2Tokenizer from our vocab
   assert type(loaded).__name__ == "Qwen2Tokenizer"
   assert mask_id == 3 and len(loaded) == len(tok) and loaded.eos_token_id == 2
-  cfg = _cfg(synthetic={"num_train": 8})
+  cfg = _cfg(synthetic={"num_train": 64})
   ours, theirs = load_data(cfg, tok).train, load_data(cfg, loaded).train
-  for i in range(8):
+  for i in range(64):
     np.testing.assert_array_equal(ours[i]["tokens"], theirs[i]["tokens"])
     np.testing.assert_array_equal(ours[i]["loss_mask"], theirs[i]["loss_mask"])
 

@@ -95,3 +95,20 @@ def test_bad_arguments():
     masks.two_stream_mask(4, 2, intra_block="full")
   with pytest.raises(ValueError, match="block_size"):
     masks.two_stream_mask(4, 0)
+
+
+@pytest.mark.parametrize("intra", ["causal", "bidirectional"])
+def test_two_stream_target_mask_is_the_full_mask_at_the_kept_tokens(intra):
+  """A noisy stream holding some of the row's tokens (in row order, padded) gets exactly
+  the rows and columns of the full two-stream mask at those tokens; padding sees nothing."""
+  segs = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 0, 0]], np.int32)
+  positions = np.asarray(masks.segment_positions(segs))
+  keep = np.array([1, 2, 3, 4, 7, 8, 9, 10, 11])
+  noisy_pos = np.concatenate([positions[0, keep], [0, 0]])[None]
+  noisy_seg = np.concatenate([segs[0, keep], [0, 0]])[None]
+  got = np.asarray(masks.two_stream_target_mask(segs, positions, noisy_seg, noisy_pos, 4,
+                                                intra_block=intra))[0]
+  full = naive_two_stream(positions[0], segs[0], 4, intra)
+  rows = np.concatenate([np.arange(14), 14 + keep])
+  np.testing.assert_array_equal(got[:23, :23], full[np.ix_(rows, rows)])
+  assert not got[23:].any() and not got[:, 23:].any()

@@ -17,7 +17,8 @@ from mars_jax.models import qwen2
 TOL = 1e-5
 VOCAB = 64
 MASK = VOCAB - 1
-OPTIONS = ("block_size", "ar_weight", "intra_block", "normalization", "chunk_size")
+OPTIONS = ("block_size", "ar_weight", "intra_block", "normalization", "chunk_size",
+           "stream_length")
 
 
 # Unrolled layers compile twice as fast on CPU (test_sharding runs the scanned stack).
@@ -54,20 +55,22 @@ def ragged_batch(length=11, seed=0):
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=OPTIONS)
 def mars_vg(config, params, batch, block_size=4, ar_weight=1.0, intra_block="causal",
-            normalization="sequence", chunk_size=256):
+            normalization="sequence", chunk_size=256, stream_length=None):
   """((loss, metrics), grads) of the one-pass `mars_loss`."""
   return jax.value_and_grad(
       lambda p: objective.mars_loss(config, p, batch, block_size=block_size, runtime=RT,
                                     mask_token_id=MASK, ar_weight=ar_weight,
                                     intra_block=intra_block, normalization=normalization,
-                                    chunk_size=chunk_size), has_aux=True)(params)
+                                    chunk_size=chunk_size, stream_length=stream_length),
+      has_aux=True)(params)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("normalization",))
-def ar_vg(config, params, batch, normalization="sequence"):
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("normalization",
+                                                                "stream_length"))
+def ar_vg(config, params, batch, normalization="sequence", stream_length=None):
   return jax.value_and_grad(
       lambda p: objective.ar_sft_loss(config, p, batch, normalization=normalization,
-                                      runtime=RT),
+                                      runtime=RT, stream_length=stream_length),
       has_aux=True)(params)
 
 
@@ -227,8 +230,9 @@ def test_offset_accuracy_counts_noisy_targets_by_slot():
   target = np.asarray(f["target"])
   np.testing.assert_array_equal(target[:, :-1], batch["loss_mask"][:, 1:])
   config = tiny_config()
-  sums = jax.jit(lambda p: objective.mars_sums(config, p, batch, block_size=4, runtime=RT,
-                                               mask_token_id=MASK))(random_params(config))
+  obj = objective.ObjectiveConfig(kind="mars", block_size=4, mask_token_id=MASK)
+  sums = jax.jit(lambda p: objective.objective_sums(config, p, batch, obj, runtime=RT))(
+      random_params(config))
   np.testing.assert_array_equal(np.asarray(sums["count_offset"]),
                                 [target[slot == j].sum() for j in range(4)])
 
@@ -276,3 +280,97 @@ def test_tiny_model_overfits_one_batch(kind):
   assert losses[0] > 3.0 and losses[-1] < 0.05, (losses[0], losses[-1])
   if kind == "mars":
     assert [float(metrics[f"acc_offset_{j}"]) for j in range(1, 5)] == [1.0] * 4
+
+
+# ---- the target stream: only blocks that hold a target ---------------------------------
+
+
+def packed_batch():
+  """Two packed rows: segments of different lengths and prompts, padding at the end."""
+  rng = np.random.default_rng(5)
+  segs = np.array([[1] * 7 + [2] * 9 + [0] * 2, [3] * 12 + [4] * 5 + [0]], np.int32)
+  loss_mask = np.zeros(segs.shape, bool)
+  loss_mask[0, 4:7] = loss_mask[0, 13:16] = True     # segment 1: targets 3..5; 2: 12..14
+  loss_mask[1, 9:12] = loss_mask[1, 15:17] = True
+  return {"tokens": rng.integers(0, MASK, segs.shape).astype(np.int32),
+          "loss_mask": loss_mask, "segment_ids": segs}
+
+
+def long_prompt_batch():
+  """`ragged_batch(14)` with a longer first prompt: target blocks are 6, 4, 0 positions."""
+  batch = ragged_batch(14)
+  batch["loss_mask"][0, :9] = False
+  return batch
+
+
+def test_target_stream_keeps_the_blocks_that_hold_a_target():
+  # row 0: targets at outputs 5..9 (loss_mask 6..10): blocks 1 and 2 of B = 4
+  batch = {"tokens": np.zeros((2, 14), np.int32), "loss_mask": np.zeros((2, 14), bool)}
+  batch["loss_mask"][0, 6:11] = True
+  f = objective.prepare(batch)
+  stream = jax.tree.map(np.asarray, objective.target_stream(f, 4, 10))
+  np.testing.assert_array_equal(stream["index"][0], [4, 5, 6, 7, 8, 9, 10, 11, 14, 14])
+  np.testing.assert_array_equal(stream["index"][1], [14] * 10)   # row 1 has no target
+  np.testing.assert_array_equal(stream["cut"], [False, False])
+  np.testing.assert_array_equal(objective.target_block_lengths(f, 4), [8, 0])
+  assert list(np.asarray(objective.target_stream(f, 4, 6)["cut"])) == [True, False]
+  # packed rows: blocks count from each segment's start
+  f = objective.prepare(packed_batch())
+  lengths = np.asarray(objective.target_block_lengths(f, 4))
+  # row 0: segment 1's targets are outputs 3..5 -> its blocks 0 and 1 (7 positions);
+  # segment 2's are its outputs 5..7 -> its block 1 (4). Row 1: segment 3's outputs
+  # 8..10 -> block 2 (4); segment 4's outputs 2..3 -> block 0 (4).
+  np.testing.assert_array_equal(lengths, [11, 8])
+
+
+@pytest.mark.parametrize("tie,intra,packed", [
+    (True, "causal", False), (False, "causal", True), (True, "bidirectional", True)])
+def test_short_target_stream_equals_the_full_loss(tie, intra, packed):
+  """The loss over [clean | target blocks only], unembedded at the target blocks, equals
+  the full two-stream loss (every block in the noisy stream, every position unembedded),
+  values, metrics and gradients, whenever the target blocks fit."""
+  config = tiny_config(tie)
+  params = random_params(config)
+  batch = packed_batch() if packed else long_prompt_batch()
+  need = int(np.max(objective.target_block_lengths(objective.prepare(batch), 4)))
+  assert need < batch["tokens"].shape[1]
+  (full, m_full), g_full = mars_vg(config, params, batch, intra_block=intra)
+  (short, m_short), g_short = mars_vg(config, params, batch, intra_block=intra,
+                                      stream_length=need)
+  assert abs(float(full) - float(short)) < TOL
+  assert max_tree_diff(g_full, g_short) < TOL
+  for key in m_full:
+    assert abs(float(m_full[key]) - float(m_short[key])) < TOL, key
+  (ar_full, _), g_ar_full = ar_vg(config, params, batch)
+  (ar_short, _), g_ar_short = ar_vg(config, params, batch, stream_length=need)
+  assert abs(float(ar_full) - float(ar_short)) < TOL
+  assert max_tree_diff(g_ar_full, g_ar_short) < TOL
+
+
+def test_full_stream_equals_the_every_block_two_stream_pass():
+  """stream_length=None keeps every block of the noisy stream in place: the pass over
+  `two_stream_inputs` (all 2L positions, unembedded everywhere) gives the same loss."""
+  config = tiny_config()
+  params = random_params(config)
+  batch = ragged_batch()
+  tokens, positions, mask = objective.two_stream_inputs(batch, block_size=4,
+                                                        mask_token_id=MASK)
+  f = objective.prepare(batch)
+  logits = qwen2.forward(config, params, tokens, positions, mask, runtime=RT)
+  labels = jnp.concatenate([f["labels"], f["labels"]], 1)
+  weights, denom = objective.sequence_weights(f["target"], f["segment_ids"], "sequence")
+  per = ce(logits, labels) * jnp.concatenate([weights, weights], 1)
+  (loss, _), _ = mars_vg(config, params, batch)
+  assert abs(float(jnp.sum(per) / denom) - float(loss)) < TOL
+
+
+def test_rows_that_do_not_fit_are_counted():
+  config = tiny_config()
+  params = random_params(config)
+  batch = long_prompt_batch()
+  need = np.asarray(objective.target_block_lengths(objective.prepare(batch), 4))
+  short = int(need.max()) - 4
+  (_, metrics), _ = mars_vg(config, params, batch, stream_length=short)
+  assert float(metrics["rows_cut"]) == np.sum(need > short) >= 1
+  (_, metrics), _ = mars_vg(config, params, batch)
+  assert float(metrics["rows_cut"]) == 0

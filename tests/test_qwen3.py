@@ -70,7 +70,7 @@ def test_train_cli_export_reloads_in_transformers(hf_tiny, tmp_path):
          "--config.train.steps=2", "--config.train.batch_size=4", "--config.train.log_every=1",
          "--config.train.eval_every=1000", "--config.train.eval_batches=1",
          "--config.data.synthetic.num_train=32", "--config.data.synthetic.num_test=4",
-         "--config.final_eval.num_problems=0"]
+         "--config.final_eval.num_problems=0", "--config.data.max_length=128"]
   r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                      env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
   assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

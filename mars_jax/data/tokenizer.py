@@ -1,6 +1,6 @@
-"""A character-level ChatML tokenizer for the synthetic task, built offline.
+"""The embedded task's ChatML tokenizers, built offline: "char" and "words".
 
-One token per byte: every ASCII character is one token, any other character is
+"char" (`build_char_tokenizer`): one token per byte: every ASCII character is one token, any other character is
 its UTF-8 bytes (so no text is ever lost). Four special tokens come first, so
 their ids never depend on the rest:
 
@@ -20,12 +20,21 @@ The chat template is Qwen2.5's ChatML without the default system prompt:
   <|im_start|>user\\nWhat is 2+3?<|im_end|>\\n<|im_start|>assistant\\n2+3=5<|im_end|>\\n
 
 and `add_generation_prompt=True` appends `<|im_start|>assistant\\n`.
+
+"words" (`build_word_tokenizer`): the same specials, bytes, pre-tokenizer, decoder and
+template, plus BPE merges learned (with `tokenizers`' trainer, deterministically) on
+the synthetic task's own text until every word of it is one token. Qwen2's
+pre-tokenizer splits numbers into single digits, so digits stay one token each
+(arithmetic is learned digit by digit) while words are whole: an example is about
+55 tokens instead of 109, and any other text still falls back to bytes.
+
+`build_tokenizer(name)` builds either by name (the `tokenizer` config field).
 """
 
 from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers
+from tokenizers import pre_tokenizers, trainers
 
 from mars_jax.hf import MASK_TOKEN
 
@@ -52,17 +61,62 @@ def _byte_symbols() -> list[str]:
   return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def build_char_tokenizer():
-  """Returns the `PreTrainedTokenizerFast` described above (260 tokens)."""
-  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
-  vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(_byte_symbols()))}
-  core = Tokenizer(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+def _byte_level(model) -> Tokenizer:
+  """A tokenizer around `model` with Qwen2's normalizer, pre-tokenizer and decoder."""
+  core = Tokenizer(model)
   core.normalizer = normalizers.NFC()
   core.pre_tokenizer = pre_tokenizers.Sequence([
       pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   core.decoder = decoders.ByteLevel()
+  return core
+
+
+def build_char_tokenizer():
+  """Returns the "char" `PreTrainedTokenizerFast` described above (260 tokens)."""
+  vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(_byte_symbols()))}
+  return _wrap(_byte_level(models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="",
+                                      end_of_word_suffix="", fuse_unk=False,
+                                      byte_fallback=False)))
+
+
+def _task_text() -> list[str]:
+  """The text the "words" merges are learned on: the role names and 2000 problems of
+  each difficulty (every template, name and item appears)."""
+  from mars_jax.data import synthetic  # pylint: disable=import-outside-toplevel
+  text = ["system", "user", "assistant"]
+  for difficulty in synthetic.DIFFICULTIES:
+    text += [f"{r['question']}\n{r['answer']}"
+             for r in synthetic.generate(2000, seed=0, difficulty=difficulty)]
+  return text
+
+
+def build_word_tokenizer():
+  """Returns the "words" `PreTrainedTokenizerFast` described above (~430 tokens)."""
+  core = _byte_level(models.BPE())
+  # the specials keep ids 0..3; every byte is in the alphabet (no text is lost); the
+  # vocabulary is large enough that every pair in the task's text gets merged
+  trainer = trainers.BpeTrainer(vocab_size=4096, min_frequency=1,
+                                special_tokens=list(SPECIAL_TOKENS),
+                                initial_alphabet=_byte_symbols(), show_progress=False)
+  core.train_from_iterator(_task_text(), trainer)
+  return _wrap(core)
+
+
+BUILDERS = {"char": build_char_tokenizer, "words": build_word_tokenizer}
+
+
+def build_tokenizer(name: str):
+  """The embedded tokenizer called `name` ("char" or "words")."""
+  if name not in BUILDERS:
+    raise ValueError(f"tokenizer={name!r} is not an embedded tokenizer; expected one of "
+                     f"{sorted(BUILDERS)} (or an HF directory in the `tokenizer` field).")
+  return BUILDERS[name]()
+
+
+def _wrap(core: Tokenizer):
+  """`core` with the special tokens added, as a ChatML `PreTrainedTokenizerFast`."""
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
   core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
   return PreTrainedTokenizerFast(
       tokenizer_object=core,

@@ -1,11 +1,12 @@
-"""The toy-scale study (issue: evaluation and reproduction) on the embedded task.
+"""The toy-scale study on the embedded task.
 
   python -m mars_jax.study --config configs/study.py --workdir runs/study
 
 The model, tokenizer and data are configs/tiny.py's; `study` sets the run lengths,
 the variants and the evaluation grid (see mars_jax/study.py). With the defaults the
-parent is configs/tiny.py's stage 1 and `mars_b4` its stage 2, so
-`--config.study.parent_dir=runs/tiny/stage1` reuses the default run's parent.
+parent is configs/tiny.py's stage 1, so `--config.study.parent_dir=runs/tiny/stage1`
+reuses the default run's parent; the MARS variants run the paper's objective
+(ar_weight 1, or 0 without the AR loss) at configs/tiny.py's stage-2 learning rate.
 """
 
 import importlib.util
@@ -28,7 +29,7 @@ def get_config():
   c.train.checkpoint_every = 100
   c.study = ml_collections.ConfigDict(dict(
       parent_dir=ml_collections.config_dict.placeholder(str),
-      parent_steps=300, parent_learning_rate=2e-3, child_steps=100,
+      parent_steps=1000, parent_learning_rate=2e-3, child_steps=220,
       variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
                 "noar_b16", "bd_b4"),
       taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability", "margin"), num_problems=500,

@@ -13,7 +13,7 @@ many small steps (batch 32) with AdamW at beta2 0.95, and the easy task (operand
 up to 20), whose ~6,850 training problems stage 1 sees about 4 times. Stage 2 runs
 at half stage 1's learning rate with the AR term weighted 3x: at the paper's
 ar_weight 1 the masked-block loss pulled this small model's AR accuracy down by a
-third in 150 steps (docs/results.md).
+third in 150 steps (docs/default.md).
 """
 
 from mars_jax.train_config import base_config
@@ -40,14 +40,14 @@ def get_config():
   c.optimizer.weight_decay = 0.01
   c.optimizer.warmup_ratio = 0.03
   c.train.batch_size = 32
-  c.train.steps = 250
+  c.train.steps = 220
   c.train.log_every = 50
   c.train.eval_every = 250
   c.train.eval_batches = 2
   c.train.checkpoint_every = 250
   c.train.export_hf = True
   c.stage1.enabled = True
-  c.stage1.steps = 900
+  c.stage1.steps = 1000
   c.stage1.learning_rate = 2e-3
   c.final_eval.num_problems = 200
   c.final_eval.taus = (1.0, 0.9)

@@ -78,8 +78,7 @@ class ObjectiveConfig:
       raise ValueError(f"objective.kind={self.kind!r}; expected one of {list(KINDS)}.")
     if self.block_size < 1:
       raise ValueError(f"objective.block_size={self.block_size}; must be >= 1.")
-    if self.kind == "mars" and (self.mask_token_id is None or (
-        isinstance(self.mask_token_id, (int, np.integer)) and self.mask_token_id < 0)):
+    if self.kind == "mars" and self.mask_token_id is None:
       raise ValueError("objective.mask_token_id is required for kind='mars' (the id of "
                        "<|mask|>, see mars_jax.hf.load_tokenizer).")
     if self.ar_weight < 0:
@@ -310,7 +309,6 @@ def _stream_length(objective: ObjectiveConfig, length: int) -> int:
 def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
                objective: ObjectiveConfig, runtime: Runtime) -> dict[str, Array]:
   """MARS sums of the fields `f` of one batch (see `objective_sums`)."""
-  check_mask_token_id(config, objective.mask_token_id)
   block = objective.block_size
   length = f["tokens"].shape[1]
   stream = target_stream(f, block, _stream_length(objective, length))
@@ -372,10 +370,10 @@ def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
   block, whose target is j+1 tokens past the last clean token it sees).
   AR-SFT: a causal pass over L. Sums: loss, ce_ar, denom, targets, correct_ar, rows_cut.
   """
-  f = prepare(batch)
   if objective.kind == "ar_sft":
-    return _ar_sft_sums(config, params, f, objective, runtime)
-  return _mars_sums(config, params, f, objective, runtime)
+    return _ar_sft_sums(config, params, prepare(batch), objective, runtime)
+  check_mask_token_id(config, objective.mask_token_id)
+  return _mars_sums(config, params, prepare(batch), objective, runtime)
 
 
 def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:

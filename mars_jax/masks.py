@@ -106,8 +106,8 @@ def two_stream_target_mask(segment_ids: Array, positions: Array, noisy_segment_i
 
   segment_ids, positions: int32[b, L] of the clean row; noisy_segment_ids,
   noisy_positions: int32[b, n] of each noisy token (0 = padding), e.g. only the
-  blocks that hold a target (`objective.target_stream`), in row order. The rules
-  of `two_stream_mask` are read off each token's segment, position and block
+  blocks that hold a target (`objective.target_stream`), in row order. Every rule
+  that involves a noisy token is read off its segment, position and block
   (position // B), never its index, so a noisy stream that keeps only some blocks
   gets, for the tokens it keeps, exactly the rows and columns of the full mask.
   """

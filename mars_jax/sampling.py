@@ -199,8 +199,8 @@ def _advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, 
   remaining = jnp.where(proposing, state.limit - n, 0)
   k = jnp.arange(w)[None]
   if mode == "lossless":
-    greedy = jnp.argmax(logits[:, :w], axis=-1).astype(jnp.int32)
-    masked = jnp.argmax(logits[:, w:], axis=-1).astype(jnp.int32)
+    greedy = gates.greedy(logits[:, :w])
+    masked = gates.greedy(logits[:, w:])
     drafts = jnp.take_along_axis(
         state.seq, jnp.minimum(n[:, None] + jnp.arange(w - 1)[None], s - 1), axis=1)
     accepted, hit_eos = gates.verify(greedy, drafts, d, eos_ids, remaining)

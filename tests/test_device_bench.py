@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mars_jax.benchmarks import device
+from mars_jax.benchmarks import device, roofline
 from mars_jax.models import qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,11 +81,11 @@ def test_chip_figures():
 def test_forward_bytes_7b_and_tied():
   rt = qwen2.Runtime(param_dtype="bfloat16", dtype="bfloat16")
   config = qwen2.preset("qwen2.5-7b")
-  params, kv = device.forward_bytes(config, rt, 1, 1024)
+  params, kv = roofline.forward_bytes(config, rt, 1, 1024)
   total = qwen2.num_params(qwen2.abstract_params(config, runtime=rt))
   # untied: every weight but the embedding table, 2 bytes each
   assert params == 2 * (total - config.vocab_size * config.hidden_size)
   assert kv == 2 * 28 * 1024 * 4 * 128 * 2
   small = qwen2.preset("qwen2.5-0.5b")  # tied: the table is the unembedding, read whole
-  p, _ = device.forward_bytes(small, rt, 1, 8)
+  p, _ = roofline.forward_bytes(small, rt, 1, 8)
   assert p == 2 * 494_032_768

@@ -109,7 +109,8 @@ def test_cached_attention_equals_dense_attention_over_the_written_cache(chunk):
   mask = rng.random((b, t, slots)) < 0.4
   mask[0, 0] = False
   mask[0, 0, slots - 1] = True            # only the last block is visible to this query
-  got = qwen2.cached_attention(q, k, v, cache_k, cache_v, mask, write, chunk=chunk)
+  got = qwen2.cached_attention(q, k, v, np.stack([0 * cache_k, cache_k]),
+                              np.stack([0 * cache_v, cache_v]), 1, mask, write, chunk=chunk)
   after_k, after_v = cache_k.copy(), cache_v.copy()
   for i in range(b):
     for j in range(t):

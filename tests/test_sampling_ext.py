@@ -56,6 +56,41 @@ def test_verify_takes_the_matching_prefix_and_the_correction():
   assert accepted.tolist() == [2, 2, 2, 2, 1] and hit_eos.tolist() == [1, 1, 1, 1, 0]
 
 
+def test_gates_equal_a_float64_reference():
+  """greedy, gate and take against numpy: ties in the top logits, every metric at
+  several taus, an EOS inside and outside the accepted run, a budget cut."""
+  rng = np.random.default_rng(5)
+  logits = (rng.standard_normal((64, 4, 32)) * 3).astype(np.float32)
+  logits[:8, :, 7] = logits[:8, :, 3] = 50.0  # a tie: the first index wins, margin 0
+  proposals = np.asarray(gates.greedy(jnp.asarray(logits)))
+  np.testing.assert_array_equal(proposals, np.argmax(logits, axis=-1))
+  p = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  top = -np.sort(-p, axis=-1)
+  ref = {"probability": top[..., 0], "margin": top[..., 0] - top[..., 1],
+         "entropy": -np.sum(p * np.log(p), axis=-1)}
+  for tau in (0.2, 0.5, 0.9, 1.0):
+    for m, value in ref.items():
+      passes = value <= tau if m == "entropy" else (value >= tau) & (tau < 1)
+      near = np.abs(value - tau) < 1e-5  # float32 rounding may fall on either side
+      got = np.asarray(gates.gate(jnp.asarray(logits), jnp.float32(tau), m))
+      np.testing.assert_array_equal(got[~near], passes[~near])
+      ids = jnp.full((64, 4), gates.METRICS.index(m), jnp.int32)
+      np.testing.assert_array_equal(np.asarray(gates.gate(jnp.asarray(logits), tau, ids)), got)
+  passes = rng.random((64, 4)) < 0.7
+  eos = np.array([proposals[0, 1], proposals[1, 3], -1, -1], np.int32)
+  remaining = rng.integers(0, 6, 64).astype(np.int32)
+  accepted, hit_eos = gates.take(jnp.asarray(proposals), jnp.asarray(passes), jnp.asarray(eos),
+                                 jnp.asarray(remaining))
+  for i in range(64):
+    n, stop = 0, False
+    for k in range(4):
+      if n == remaining[i] or (k and not passes[i, k]) or stop:
+        break
+      n, stop = n + 1, proposals[i, k] in eos[:2]
+    assert (int(accepted[i]), bool(hit_eos[i])) == (n, stop), i
+
+
 @pytest.mark.parametrize("window", range(2, BLOCK + 2))
 def test_lossless_is_greedy_ar(model, eos_ids, greedy_ref, window):
   config, params = model

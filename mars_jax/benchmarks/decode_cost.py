@@ -2,45 +2,33 @@
 
 For each batch and window, compiles the sampler's `run_steps` variant and reports,
 next to its measured seconds per step (`sampling.step_seconds`):
+  - the two rooflines of `mars_jax.benchmarks.roofline`, at this machine's memory
+    bandwidth and float32 matmul rate measured in the same run: the bytes a step
+    must move (the params once plus the K/V cache blocks it reads) and the FLOPs it
+    must do (2 per weight per slot fed: b * (2W - 1) slots, plus the attention);
   - XLA's cost analysis of one step: FLOPs and bytes accessed;
-  - the bytes a step must move at least (`device.forward_bytes`): the params once
-    plus the K/V cache it attends over (every layer reads the whole cache bucket), and the time that takes
-    at this machine's memory bandwidth, measured in the same run (a large array copy):
-    the memory-bandwidth roofline;
   - the layout copies left in the compiled step (HLO `copy`/`transpose` ops, their
     count and bytes per step): data movement that does no arithmetic.
 
-  python -m mars_jax.bench decode --model tiny --batch-sizes 1,4,16,64 --windows 1,5
+  python -m mars_jax.bench decode --model toy --batch-sizes 1,4,16,64 --windows 1,5
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import time
 
 import jax
 import numpy as np
 
 from mars_jax import loading, sampling
-from mars_jax.benchmarks.device import forward_bytes
+from mars_jax.benchmarks.roofline import forward_bytes, forward_flops, matmul_rate, memory_bandwidth
+from mars_jax.benchmarks import toy
 from mars_jax.benchmarks.sample import SHAPES
 from mars_jax.models import qwen2
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4, "s8": 1, "u8": 1}
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (copy|transpose)\(")
-
-
-def memory_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-  """Bytes per second of a large array copy (read + write), best of `repeats`."""
-  a = np.ones(nbytes // 8, np.float64)
-  b = np.empty_like(a)
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    np.copyto(b, a)
-    best = min(best, time.perf_counter() - t0)
-  return 2 * nbytes / best
 
 
 def layout_copies(hlo: str) -> tuple[int, int]:
@@ -74,7 +62,11 @@ def step_cost(config, params, *, batch: int, cache_len: int, window: int,
 
 
 def load(name: str, seed: int):
-  """-> (config, params, mask id): an HF dir / run, or a named random shape."""
+  """-> (config, params, mask id): "toy" (trained at start), an HF dir / run, or a named
+  random shape."""
+  if name == "toy":
+    t = toy.train(seed=seed)
+    return t.config, t.params, t.mask_token_id
   if name in SHAPES or name.lower() in qwen2.PRESETS:
     config = qwen2.Qwen2Config(**SHAPES[name]) if name in SHAPES else qwen2.preset(name)
     return config, qwen2.init_params(config, jax.random.key(seed)), config.vocab_size - 1
@@ -85,7 +77,8 @@ def load(name: str, seed: int):
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.bench decode", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", default="tiny", help="HF dir, RUN_DIR, or tiny | small | preset")
+  p.add_argument("--model", default="tiny",
+                 help="HF dir, RUN_DIR, toy, or tiny | small | preset")
   p.add_argument("--batch-sizes", default="1,4,16,64")
   p.add_argument("--windows", default="1,5")
   p.add_argument("--cache-len", type=int, default=256, help="cache bucket (slots)")
@@ -93,22 +86,28 @@ def main(argv=None) -> None:
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
   config, params, mask_id = load(args.model, args.seed)
-  bw = memory_bandwidth()
+  bw, rate = memory_bandwidth(), matmul_rate()
   print(f"model={args.model} params={qwen2.num_params(params):,} cache_len={args.cache_len} "
-        f"memory bandwidth (array copy, this run) {bw / 1e9:.1f} GB/s")
-  print(f"{'batch':>5} {'W':>2} {'ms/step':>8} {'roofline ms':>11} {'x roofline':>10} "
-        f"{'GFLOP':>7} {'MB accessed':>11} {'copies':>6} {'copy MB':>8}")
+        f"memory bandwidth (array copy) {bw / 1e9:.1f} GB/s, matmul (f32 1024^3) "
+        f"{rate / 1e9:.0f} GFLOP/s, both measured in this run")
+  print(f"{'batch':>5} {'W':>2} {'slots':>5} {'ms/step':>8} {'mem roof':>8} {'flop roof':>9} "
+        f"{'x roof':>6} {'GFLOP':>7} {'MB accessed':>11} {'copies':>6} {'copy MB':>8}")
   for b in (int(x) for x in args.batch_sizes.split(",")):
     for w in (int(x) for x in args.windows.split(",")):
       c = step_cost(config, params, batch=b, cache_len=args.cache_len, window=w,
                     mask_token_id=mask_id)
       s = sampling.step_seconds(config, params, batch=b, cache_len=args.cache_len, window=w,
                                 mode="gated", mask_token_id=mask_id, steps=args.steps,
-                                repeats=3)
-      roof = sum(forward_bytes(config, qwen2.DEFAULT_RUNTIME, b, args.cache_len)) / bw
-      print(f"{b:5d} {w:2d} {s * 1e3:8.2f} {roof * 1e3:11.3f} {s / roof:10.1f} "
-            f"{c['flops'] / 1e9:7.3f} {c['bytes_accessed'] / 1e6:11.1f} "
-            f"{c['layout_copies']:6d} {c['layout_copy_bytes'] / 1e6:8.2f}", flush=True)
+                                repeats=5)
+      # the timed steps accept one token each (tau 1): slots read up to steps + W,
+      # in whole attention chunks
+      read = min(args.cache_len, -(-(args.steps + w) // qwen2.CACHE_CHUNK) * qwen2.CACHE_CHUNK)
+      mem = sum(forward_bytes(config, qwen2.DEFAULT_RUNTIME, b, read)) / bw
+      flop = forward_flops(config, b * (2 * w - 1), (args.steps + w) // 2) / rate
+      print(f"{b:5d} {w:2d} {b * (2 * w - 1):5d} {s * 1e3:8.3f} {mem * 1e3:8.3f} "
+            f"{flop * 1e3:9.3f} {s / max(mem, flop):6.1f} {c['flops'] / 1e9:7.3f} "
+            f"{c['bytes_accessed'] / 1e6:11.1f} {c['layout_copies']:6d} "
+            f"{c['layout_copy_bytes'] / 1e6:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

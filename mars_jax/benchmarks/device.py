@@ -47,6 +47,7 @@ import numpy as np
 
 from mars_jax import objective, optimizer, sampling, sharding
 from mars_jax.benchmarks import sample, step, toy
+from mars_jax.benchmarks.roofline import forward_bytes
 from mars_jax.models import qwen2
 from mars_jax.models.config import Qwen2Config
 
@@ -124,25 +125,6 @@ def chip_figures(device_kind: str, peak_tflops: float | None = None,
     else:
       out[key], out[key + "_source"] = None, "unknown"
   return out
-
-
-@functools.lru_cache(maxsize=None)
-def _param_bytes(config: Qwen2Config, runtime: qwen2.Runtime) -> int:
-  params = qwen2.abstract_params(config, runtime=runtime)
-  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  if not config.tie_word_embeddings:
-    total -= params["embedding"].size * params["embedding"].dtype.itemsize
-  return int(total)
-
-
-def forward_bytes(config: Qwen2Config, runtime: qwen2.Runtime, batch: int,
-                  cache_len: int) -> tuple[int, int]:
-  """HBM bytes one decoding forward must read -> (parameters, KV cache). Every weight
-  is read once, except an untied embedding table (a few rows are gathered); the KV
-  cache is read whole: [layers, batch, kv_heads, cache_len, head_dim], K and V."""
-  kv = (2 * config.num_hidden_layers * batch * cache_len * config.num_key_value_heads
-        * config.head_dim * np.dtype(runtime.jnp_dtype).itemsize)
-  return _param_bytes(config, runtime), int(kv)
 
 
 def roofline_ms(total_bytes: int, hbm_tbps: float | None) -> float | None:

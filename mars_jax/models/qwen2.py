@@ -54,6 +54,7 @@ from mars_jax.models.config import (  # noqa: F401  (re-exported)
 
 Array = jax.Array
 Cache = dict[str, Array]
+CACHE_CHUNK = 64  # cache slots `cached_attention` reads per block
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -132,13 +133,16 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
 
 
 def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Array,
-                     mask: Array, write_index: Array, *, chunk: int = 64) -> Array:
+                     layer: Array, mask: Array, write_index: Array, *,
+                     chunk: int = CACHE_CHUNK) -> Array:
   """Grouped-query attention over a KV cache as it is once this step's K/V are written,
   without writing them: the cache is only read here, and the caller writes every
   layer's new K/V into it once (no per-layer copy of the cache).
 
   q: [b, t, heads, d]; k, v: [b, t, kv_heads, d] (this step's); cache_k, cache_v:
-  [b, kv_heads, S, d]; mask: bool[b, t, S] over cache slots after the writes;
+  [L, b, kv_heads, S, d], all layers' (read here at `layer`: int32[], one block at a
+  time, so no layer's slice of the cache is ever copied out whole);
+  mask: bool[b, t, S] over cache slots after the writes;
   write_index: int32[b, t] (>= S: not written). A slot that this step writes is read
   from k/v, every other slot from the cache:
 
@@ -151,7 +155,7 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   gets zeros. -> [b, t, heads, d].
   """
   b, t, h, d = q.shape
-  kvh, slots = cache_k.shape[1], cache_k.shape[2]
+  kvh, slots = cache_k.shape[2], cache_k.shape[3]
   live = write_index < slots
   written = jnp.any((write_index[:, :, None] == jnp.arange(slots)) & live[..., None], axis=1)
   at_slot = jnp.broadcast_to(jnp.where(live, write_index, 0)[:, None, :], (b, t, t))
@@ -173,8 +177,8 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
 
   def block(i, carry):
     start = i * chunk
-    ks = jax.lax.dynamic_slice_in_dim(cache_k, start, chunk, axis=2)
-    vs = jax.lax.dynamic_slice_in_dim(cache_v, start, chunk, axis=2)
+    ks, vs = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kvh, chunk, d))[0]
+              .astype(q.dtype) for c in (cache_k, cache_v))
     seen = jax.lax.dynamic_slice_in_dim(mask_old, start, chunk, axis=2)
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, ks, preferred_element_type=jnp.float32)
     return update(carry, scores, seen, vs, "bkgts,bksd->bkgtd")
@@ -216,23 +220,22 @@ class Attention(nn.Module):
     return apply_rope(h, cos, sin)
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask, layer_cache=None, write_index=None):
+  def __call__(self, x, cos, sin, mask, layer=None, cache=None, write_index=None):
     c, rt = self.config, self.runtime
     q = self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin)
     k = self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin)
     v = self._proj(x, "v", c.num_key_value_heads, "kv_heads")
-    if layer_cache is None:
+    new_kv = None
+    if cache is None:
       out = attention(q, k, v, mask, rt.attention_impl)
     else:  # decoding: read the cache, hand this step's K/V back for one write of all layers
-      new_kv = {"k": k.astype(layer_cache["k"].dtype), "v": v.astype(layer_cache["v"].dtype)}
+      new_kv = {"k": k.astype(cache["k"].dtype), "v": v.astype(cache["v"].dtype)}
       out = cached_attention(q, new_kv["k"].astype(rt.jnp_dtype),
-                             new_kv["v"].astype(rt.jnp_dtype),
-                             layer_cache["k"].astype(rt.jnp_dtype),
-                             layer_cache["v"].astype(rt.jnp_dtype), mask, write_index)
-      layer_cache = new_kv
+                             new_kv["v"].astype(rt.jnp_dtype), cache["k"], cache["v"], layer,
+                             mask, write_index)
     o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
                       ("heads", "head_dim", "embed"), rt.jnp_param_dtype)
-    return dense(out, o_kernel.astype(rt.jnp_dtype), in_dims=2), layer_cache
+    return dense(out, o_kernel.astype(rt.jnp_dtype), in_dims=2), new_kv
 
 
 class MLP(nn.Module):
@@ -254,19 +257,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block. Call signature matches `nn.scan`: (carry, layer_cache) -> (carry, new
-  K/V of this step's tokens: {"k","v"}: [b, t, kv_heads, head_dim], or None)."""
+  """Pre-norm block. Call signature matches `nn.scan`: (carry, layer index) -> (carry, new
+  K/V of this step's tokens: {"k","v"}: [b, t, kv_heads, head_dim], or None). The cache,
+  all layers' (or None), is passed whole and read at `layer`."""
   config: Qwen2Config
   runtime: Runtime = DEFAULT_RUNTIME
 
   @nn.compact
-  def __call__(self, x, layer_cache, cos, sin, mask, write_index):
+  def __call__(self, x, layer, cache, cos, sin, mask, write_index):
     c, rt = self.config, self.runtime
-    h, layer_cache = Attention(c, rt, name="attn")(
-        RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer_cache, write_index)
+    h, new_kv = Attention(c, rt, name="attn")(
+        RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer, cache, write_index)
     x = x + h
     x = x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x))
-    return x, layer_cache
+    return x, new_kv
 
 
 class Qwen2ForCausalLM(nn.Module):
@@ -285,7 +289,7 @@ class Qwen2ForCausalLM(nn.Module):
     if rt.scan_layers:
       self.layers = nn.scan(
           layer, variable_axes={"params": 0}, split_rngs={"params": True},
-          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
           length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"},
       )(c, rt, name="layers")
     else:
@@ -307,12 +311,12 @@ class Qwen2ForCausalLM(nn.Module):
     x = jnp.take(self.embedding, tokens, axis=0).astype(self.runtime.jnp_dtype)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     if self.runtime.scan_layers:
-      x, new_kv = self.layers(x, cache, cos, sin, attn_mask, write_index)
+      x, new_kv = self.layers(x, jnp.arange(c.num_hidden_layers), cache, cos, sin, attn_mask,
+                              write_index)
     else:
       new = []
       for i, layer in enumerate(self.layers):
-        layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)
-        x, layer_kv = layer(x, layer_cache, cos, sin, attn_mask, write_index)
+        x, layer_kv = layer(x, i, cache, cos, sin, attn_mask, write_index)
         new.append(layer_kv)
       new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
     if cache is not None:  # cache[:, row, :, slot] <- [b, t, L, kv_heads, d]

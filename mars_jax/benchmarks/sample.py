@@ -8,8 +8,13 @@ first tau and lossless), and of transformers' greedy `generate` with its KV
 cache on the weights exported by `hf.save_pretrained` (the outside peer). EOS is
 ignored, so every sample generates exactly --max-new-tokens and all rows time
 the same amount of output. Compilation, warm-up and the policy's cost
-calibration are not timed; the calls are timed round-robin, --repeats rounds,
-and each row keeps its best round.
+calibration are not timed; our calls are timed round-robin, --repeats rounds,
+and each row keeps its best round; the peer is timed apart, then left idle for a
+second (torch's worker threads keep spinning after a call and slowed whichever of
+our calls ran next on a 2-core CPU by up to 2x). Each row also gives the tokens per second that
+the memory-bandwidth roofline allows at its tokens per forward (params plus the
+K/V cache read once per forward, at the bandwidth of an array copy measured in the
+same run).
 
 --model: an HF directory or a training run (RUN_DIR[/STEP]); "toy": the toy of
 `mars_jax.benchmarks.toy`, trained at start (seconds) so that its MASK proposals
@@ -39,7 +44,7 @@ import jax
 import numpy as np
 
 from mars_jax import evaluate, gates, hf, loading, sampling
-from mars_jax.benchmarks import toy
+from mars_jax.benchmarks import roofline, toy
 from mars_jax.models import qwen2
 from mars_jax.models.config import PRESETS, Qwen2Config
 from mars_jax.window_policy import CostTable, WindowPolicy
@@ -152,7 +157,7 @@ def transformers_generate(model, prompts, *, max_new):
   return call
 
 
-MIN_TIMED_S = 0.05  # one measurement repeats a call until it lasts this long
+MIN_TIMED_S = 0.2  # one measurement repeats a call until it lasts this long
 PEER_PAUSE_S = 1.0  # idle time after the peer, so its spinning worker threads go to sleep
 
 
@@ -216,9 +221,17 @@ def make_policies(args, windows: list[int]) -> dict[str, WindowPolicy]:
   return policies
 
 
+def roofline_forwards_per_s(m: BenchModel, batch: int, args, bandwidth: float) -> float:
+  """Forwards per second at the memory-bandwidth roofline: each reads the params once and
+  the K/V of the mean live length (prompt + half the new tokens)."""
+  live = args.prompt_len + args.max_new_tokens // 2
+  return bandwidth / sum(roofline.forward_bytes(m.config, qwen2.DEFAULT_RUNTIME, batch, live))
+
+
 def bench_batch(m: BenchModel, peer, prompts, windows, taus, args,
-                policies: dict[str, WindowPolicy]) -> list[dict]:
-  """All rows of one batch size; speedups are against our AR loop on the same prompts."""
+                policies: dict[str, WindowPolicy], bandwidth: float) -> list[dict]:
+  """All rows of one batch size; speedups are against our AR loop on the same prompts;
+  `roofline_tokens_per_s`: the row's tokens per forward at the memory roofline."""
   kw = dict(max_new=args.max_new_tokens, metric=args.metric)
   calls = {("ours AR", 1, 1.0): ours(m, prompts, window=1, tau=1.0, **kw)}
   if peer is not None:
@@ -238,6 +251,7 @@ def bench_batch(m: BenchModel, peer, prompts, windows, taus, args,
                                 isolated=tuple(k for k in calls if k[0] == "transformers"))
   ar_tokens = outputs[("ours AR", 1, 1.0)][0]
   ar_rate = sum(map(len, ar_tokens)) / seconds[("ours AR", 1, 1.0)]
+  roof = roofline_forwards_per_s(m, len(prompts), args, bandwidth) * len(prompts)
   rows = []
   for key, (tokens, per_forward, forwards, used) in outputs.items():
     rate = sum(map(len, tokens)) / seconds[key]
@@ -245,6 +259,7 @@ def bench_batch(m: BenchModel, peer, prompts, windows, taus, args,
                  "tokens_per_s": rate, "tokens_per_forward": per_forward,
                  "forwards": forwards, "seconds": seconds[key],
                  "speedup_vs_ours_ar": rate / ar_rate,
+                 "roofline_tokens_per_s": roof * per_forward,
                  "same_tokens_as_ours_ar": float(np.mean([a == b for a, b in
                                                           zip(ar_tokens, tokens)])),
                  "windows_used": {str(w): n for w, n in sorted(used.items())}})
@@ -262,6 +277,7 @@ def run(args) -> dict:
            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
            "load_average": os.getloadavg()}
   policies = make_policies(args, windows)
+  facts["memory_bandwidth"] = bandwidth = roofline.memory_bandwidth()
   with tempfile.TemporaryDirectory(prefix="mars-bench-") as tmp:
     peer = None
     if not args.no_transformers:
@@ -271,7 +287,7 @@ def run(args) -> dict:
     rows = []
     for i, bs in enumerate(_ints(args.batch_sizes)):
       batch_rows = bench_batch(m, peer, m.prompts(bs, rng), windows, _floats(args.taus), args,
-                               policies)
+                               policies, bandwidth)
       print_rows(batch_rows, header=i == 0)
       rows += batch_rows
   if args.costs:
@@ -284,12 +300,14 @@ def run(args) -> dict:
 def print_rows(rows, *, header: bool) -> None:
   if header:
     print(f"{'batch':>5} {'impl':<13} {'W':>4} {'tau':>5} {'tokens/s':>10} {'tok/fwd':>8} "
-          f"{'vs our AR':>9} {'=AR':>5}  W used (batch forwards)")
+          f"{'vs our AR':>9} {'=AR':>5} {'roof tok/s':>10} {'%roof':>5}  W used (batch forwards)")
   for r in rows:
     used = " ".join(f"{w}:{n}" for w, n in r["windows_used"].items())
     print(f"{r['batch']:>5} {r['impl']:<13} {r['window']:>4} {r['tau']:>5.2f} "
           f"{r['tokens_per_s']:>10.1f} {r['tokens_per_forward']:>8.2f} "
-          f"{r['speedup_vs_ours_ar']:>8.2f}x {r['same_tokens_as_ours_ar']:>5.0%}  {used}",
+          f"{r['speedup_vs_ours_ar']:>8.2f}x {r['same_tokens_as_ours_ar']:>5.0%} "
+          f"{r['roofline_tokens_per_s']:>10.0f} "
+          f"{r['tokens_per_s'] / r['roofline_tokens_per_s']:>5.0%}  {used}",
           flush=True)
 
 

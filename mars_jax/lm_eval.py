@@ -64,6 +64,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 from tqdm.auto import tqdm  # noqa: E402
 
 from mars_jax import gates, masks, objective, sampling  # noqa: E402
+from mars_jax.decoding import batching  # noqa: E402
 from mars_jax.loading import load_model, warn_untrained_windows  # noqa: E402
 from mars_jax.models import qwen2  # noqa: E402
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime  # noqa: E402
@@ -143,7 +144,7 @@ class MarsJaxLM(TemplateLM):
           **({"attention_impl": str(attention_impl)} if attention_impl is not None else {}))
     self.pretrained = str(pretrained)
     self.model = load_model(self.pretrained, runtime=runtime)
-    sampling.check_args(self.model.config,
+    batching.check_args(self.model.config,
                         window=4 if self.window == "auto" else self.window, mode=self.mode,
                         mask_token_id=self.model.mask_token_id)
     if self.window != "auto":
@@ -303,9 +304,9 @@ class MarsJaxLM(TemplateLM):
     bar = tqdm(total=len(rows), desc="loglikelihood (mars_jax)", disable=disable_tqdm)
     for start in range(0, len(order), self.batch_size):
       batch = order[start:start + self.batch_size]
-      b = sampling.pow2(len(batch))
-      t = sampling.pow2(max(len(rows[i][0]) for i in batch), MIN_LENGTH_BUCKET)
-      span = min(sampling.pow2(max(rows[i][2] for i in batch)), t)
+      b = batching.pow2(len(batch))
+      t = batching.pow2(max(len(rows[i][0]) for i in batch), MIN_LENGTH_BUCKET)
+      span = min(batching.pow2(max(rows[i][2] for i in batch)), t)
       tokens = np.zeros((b, t), np.int32)
       targets = np.zeros((b, t), np.int32)
       lengths = np.ones((b,), np.int32)  # padding rows: one (ignored) token

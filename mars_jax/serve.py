@@ -7,17 +7,17 @@
     print(update.request_id, update.tokens, update.done)
   server.completed[rid].tokens_per_forward
 
-Each `step` is one segment of the sampler's loop (`sampling.segment`):
+Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_round`):
 
   1. batch bucket: the smallest power of two in [min_batch_size, batch_size] that
      holds the active and queued requests; a change moves the active rows to a
-     state of that bucket (`sampling.regroup`), so the load decides the compiled
+     state of that bucket (`loop.regroup`), so the load decides the compiled
      batch, and with it the cost table row the window policy reads;
   2. refill: every free row (its request finished) takes the next queued request
-     (`sampling.insert`), without touching the other rows; the new prompts are
-     prefilled by the segment's first steps, `prefill_chunk` tokens wide, while
+     (`loop.insert`), without touching the other rows; the new prompts are
+     prefilled by the round's first steps, `prefill_chunk` tokens wide, while
      the other rows keep decoding in the same forwards;
-  3. decode: the policy picks W; the loop runs `segment_steps` steps, ending early
+  3. decode: the policy picks W; the loop runs `round_steps` steps, ending early
      when a row finishes and requests are waiting;
   4. stream: the tokens each request committed since the last step come back as
      `Update`s; a finished request becomes a `Completion` and frees its row.
@@ -37,7 +37,8 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
-from mars_jax import gates, sampling
+from mars_jax import gates
+from mars_jax.decoding import batching, loop, rounds, timing
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, WindowPolicy
 
@@ -85,7 +86,7 @@ class Server:
   `WindowPolicy` (it measures step costs when it first meets a bucket);
   mode: "gated" or "lossless" (see `sampling`); tau, metric: the gate of requests
   that do not give their own; prefill_chunk: width of the prefill steps (longer
-  prompts take several); segment_steps: steps between two host round trips
+  prompts take several); round_steps: steps between two host round trips
   (a fixed window; a policy brings its own).
   """
 
@@ -94,23 +95,23 @@ class Server:
                min_batch_size: int | None = None, max_len: int = 512,
                window: int | WindowPolicy | FixedWindow = 1, mode: str = "gated", tau: float = 1.0,
                metric: str = "probability", prefill_chunk: int = 64,
-               segment_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME):
+               round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
-                   else FixedWindow(window, segment_steps=segment_steps))
-    sampling.check_args(config, window=max(self.policy.windows), mode=mode,
+                   else FixedWindow(window, round_steps=round_steps))
+    batching.check_args(config, window=max(self.policy.windows), mode=mode,
                         mask_token_id=mask_token_id)
     gates.metric_ids(metric, 1)
-    self.max_batch = sampling.pow2(batch_size)
-    self.min_batch = min(sampling.pow2(min_batch_size or batch_size), self.max_batch)
+    self.max_batch = batching.pow2(batch_size)
+    self.min_batch = min(batching.pow2(min_batch_size or batch_size), self.max_batch)
     if prefill_chunk < max(self.policy.windows):
       raise ValueError(f"prefill_chunk={prefill_chunk} is below the largest window.")
     self.config, self.runtime, self.params, self.mode = config, runtime, params, mode
     self.mask_token_id, self.tau, self.metric = mask_token_id, tau, metric
-    self.eos_ids = sampling.eos_array(eos_token_ids)
+    self.eos_ids = batching.eos_array(eos_token_ids)
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
-    self.measure = sampling.measure_fn(config, params, mode=mode,
-                                       mask_token_id=mask_token_id, runtime=runtime)
-    self.state = sampling.new_state(config, self.min_batch, max_len, runtime=runtime)
+    self.measure = timing.measure_fn(config, params, mode=mode,
+                                     mask_token_id=mask_token_id, runtime=runtime)
+    self.state = loop.new_state(config, self.min_batch, max_len, runtime=runtime)
     self.slots: list[int | None] = [None] * self.min_batch
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
@@ -136,7 +137,7 @@ class Server:
     """Queues a request; -> its id. tau, metric default to the server's."""
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
-    sampling.check_prompt_ids(self.config, [prompt])
+    batching.check_prompt_ids(self.config, [prompt])
     need = len(prompt) + max_new_tokens + max(self.policy.windows) - 1
     if need > self.max_len:
       raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + W - 1 "
@@ -152,14 +153,14 @@ class Server:
 
   def _resize(self) -> None:
     """Moves the active rows to the bucket the load asks for (see the module doc)."""
-    want = min(max(sampling.pow2(self.active + len(self.queue)), self.min_batch),
+    want = min(max(batching.pow2(self.active + len(self.queue)), self.min_batch),
                self.max_batch)
     if want == len(self.slots):
       return
     keep = [i for i, r in enumerate(self.slots) if r is not None]
     rows = np.full((want,), len(self.slots), np.int32)
     rows[:len(keep)] = keep
-    self.state = sampling.regroup(self.state, rows)
+    self.state = loop.regroup(self.state, rows)
     self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
 
   def _refill(self) -> tuple[int, int]:
@@ -170,27 +171,25 @@ class Server:
       return 0, 0
     started = [self.queue.popleft() for _ in free]
     b = len(self.slots)
-    longest = max(len(r.prompt) for r in started)
-    prompt = np.zeros((b, sampling.pow2(longest, sampling.MIN_PROMPT_BUCKET)), np.int32)
-    rows = np.full((b,), b, np.int32)
-    lens, budget = np.ones((b,), np.int32), np.zeros((b,), np.int32)
-    tau, metric = np.ones((b,), np.float32), np.zeros((b,), np.int32)
-    for k, (row, r) in enumerate(zip(free, started)):
-      rows[k], lens[k], budget[k], tau[k] = row, len(r.prompt), r.max_new_tokens, r.tau
-      prompt[k, :len(r.prompt)] = r.prompt
-      metric[k] = gates.metric_ids(r.metric, 1)[0]
+    new = batching.bucket([r.prompt for r in started], b,
+                          max_new_tokens=[r.max_new_tokens for r in started],
+                          tau=[r.tau for r in started], metric=[r.metric for r in started])
+    rows = np.full((b,), b, np.int32)  # entry k: the row request k starts in (b: none)
+    rows[:len(free)] = free
+    for row, r in zip(free, started):
       self.slots[row] = r.request_id
-    self.state = sampling.insert(self.state, rows, prompt, lens, budget, tau, metric)
-    width = min(prompt.shape[1], self.prefill_chunk)
-    return width, math.ceil(longest / width)
+    self.state = loop.insert(self.state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
+                             new.tau, new.metric)
+    width = min(new.prompt.shape[1], self.prefill_chunk)
+    return width, math.ceil(max(len(r.prompt) for r in started) / width)
 
   def step(self) -> list[Update]:
-    """One segment: resize, refill, decode, stream (see the module doc)."""
+    """One round: resize, refill, decode, stream (see the module doc)."""
     self._resize()
     width, prefill_steps = self._refill()
     if not self.active:
       return []
-    self.state, _, _ = sampling.segment(
+    self.state, _, _ = rounds.run_round(
         self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
         mask_token_id=self.mask_token_id, mode=self.mode, measure=self.measure,
         real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),

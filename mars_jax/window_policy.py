@@ -1,6 +1,6 @@
 """Load-aware window: the W that maximises expected tokens per second for the running batch.
 
-Before every segment of decoding steps the sampler asks `WindowPolicy.choose`
+Before every round of decoding steps the sampler asks `WindowPolicy.choose`
 for W, given the batch bucket b (the compiled shape), the cache length S and the
 number of active samples:
 
@@ -8,9 +8,9 @@ number of active samples:
 
 seconds_per_step comes from a `CostTable`, one entry per compiled variant: looked
 up, or measured on first need by the `measure` function the sampler passes
-(`sampling.measure_fn`: a few timed steps of that very variant), or loaded from a
+(`decoding.timing.measure_fn`: a few timed steps of that very variant), or loaded from a
 JSON file written by an earlier run. tokens_per_forward is the running mean of
-what the segments run at W accepted, started from an optimistic prior (W itself,
+what the rounds run at W accepted, started from an optimistic prior (W itself,
 worth `prior_forwards` forwards), so every W whose cost could pay off is tried
 before its measured acceptance decides. W = 1 is always a candidate and yields
 exactly one token per forward, so the chosen W is never slower than AR by the
@@ -110,23 +110,23 @@ class WindowPolicy:
 
   costs: a `CostTable`, a JSON path of one, or None (an empty table that `choose`
   fills by measuring); prior_forwards: weight of the optimistic prior of each
-  W's tokens per forward; segment_steps: decoding steps run between two choices;
+  W's tokens per forward; round_steps: decoding steps run between two choices;
   calibration_rounds: timings of each missing variant, taken round-robin over
   the windows (so that other load on the machine hits them alike), best kept.
   """
 
   def __init__(self, windows: Sequence[int] = (1, 2, 3, 5),
                costs: CostTable | str | None = None, *, prior_forwards: float = 8.0,
-               segment_steps: int = 16, calibration_rounds: int = 5):
+               round_steps: int = 16, calibration_rounds: int = 5):
     if any(w < 1 for w in windows):
       raise ValueError(f"windows={list(windows)}; every W must be >= 1.")
-    if segment_steps < 1 or calibration_rounds < 1:
-      raise ValueError(f"segment_steps={segment_steps}, calibration_rounds="
+    if round_steps < 1 or calibration_rounds < 1:
+      raise ValueError(f"round_steps={round_steps}, calibration_rounds="
                        f"{calibration_rounds}; both must be >= 1.")
     self.windows = tuple(sorted({1, *windows}))
     self.costs = CostTable.load(costs) if isinstance(costs, str) else (costs or CostTable())
     self.stats = AcceptanceStats(prior_forwards)
-    self.segment_steps = segment_steps
+    self.round_steps = round_steps
     self.calibration_rounds = calibration_rounds
     self.choices: list[tuple[int, int, int]] = []   # (batch, active, W) per decision
 
@@ -170,18 +170,18 @@ class WindowPolicy:
     return best
 
   def observe(self, window: int, tokens: int, forwards: int) -> None:
-    """Tokens committed and per-sample forwards run by a segment at `window`."""
+    """Tokens committed and per-sample forwards run by a round at `window`."""
     self.stats.observe(window, tokens, forwards)
 
 
 class FixedWindow:
   """The policy interface with one W always: what a fixed `window=W` runs with."""
 
-  def __init__(self, window: int, *, segment_steps: int = 16):
-    if window < 1 or segment_steps < 1:
-      raise ValueError(f"window={window}, segment_steps={segment_steps}; both must be >= 1.")
+  def __init__(self, window: int, *, round_steps: int = 16):
+    if window < 1 or round_steps < 1:
+      raise ValueError(f"window={window}, round_steps={round_steps}; both must be >= 1.")
     self.windows = (window,)
-    self.segment_steps = segment_steps
+    self.round_steps = round_steps
     self.stats = AcceptanceStats()
 
   def choose(self, batch: int, cache_len: int, active: int,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mars_jax import evaluate, loading, objective, sampling, serve
+from mars_jax.decoding import batching
 from mars_jax.models.qwen2 import Qwen2Config, init_params
 
 CONFIG = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -35,7 +36,7 @@ def test_generate_rejects_sequences_past_max_position_embeddings():
   with pytest.raises(ValueError, match="max_position_embeddings"):
     sampling.generate(CONFIG, None, [[1] * 3], max_new_tokens=30, mask_token_id=MASK,
                       eos_token_ids=2, window="auto")
-  budget = sampling._check_prompts(CONFIG, [[1] * 10, [1]], [22, 31])  # exactly 32: fine
+  budget = batching.check_prompts(CONFIG, [[1] * 10, [1]], [22, 31])  # exactly 32: fine
   assert budget.tolist() == [22, 31]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mars_jax import hf, sampling
+from mars_jax.decoding import loop
 from mars_jax.models import qwen2
 
 MASK_ID = 127
@@ -184,7 +185,7 @@ def test_one_compile_per_bucket_and_window(model):
     if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(event)
 
-  sampling.decode.clear_cache()
+  loop.decode.clear_cache()
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     for window in (1, 3):
@@ -196,4 +197,4 @@ def test_one_compile_per_bucket_and_window(model):
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
   assert len(compiles) == 2
-  assert sampling.decode._cache_size() == 2
+  assert loop.decode._cache_size() == 2

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mars_jax import gates, hf, sampling, serve
+from mars_jax.decoding import loop
 from mars_jax.benchmarks import toy
 from mars_jax.models import qwen2
 from mars_jax.window_policy import AcceptanceStats, CostTable, WindowPolicy
@@ -147,10 +148,10 @@ def test_mixed_per_request_gates_equal_each_alone(model):
   metrics = ["probability", "probability", "margin", "entropy"]
   kw = dict(max_new_tokens=16, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
             window=BLOCK + 1)
-  sampling.decode.clear_cache()
+  loop.decode.clear_cache()
   batch = sampling.generate(config, params, PROMPTS, tau=taus, metric=metrics, **kw)
   sampling.generate(config, params, PROMPTS, tau=taus[::-1], metric=metrics[::-1], **kw)
-  assert sampling.decode._cache_size() == 1
+  assert loop.decode._cache_size() == 1
   for i, p in enumerate(PROMPTS):
     alone = sampling.generate(config, params, [p], tau=taus[i], metric=metrics[i], **kw)
     ref, windows, _ = naive_mars(config, params, p, 16, (EOS_NEVER,), taus[i], BLOCK + 1,
@@ -232,17 +233,17 @@ def test_auto_window_follows_the_cost_table(trained, model, eos_ids, greedy_ref)
             mode="lossless")
   ar = sampling.generate(m.config, m.params, prompts, window=1, **kw)
   cache_len = 32
-  cheap = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 1.2}), segment_steps=2)
+  cheap = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 1.2}), round_steps=2)
   out = sampling.generate(m.config, m.params, prompts, window="auto", policy=cheap, **kw)
   assert out.tokens == ar.tokens and set(out.windows) == {5}
   assert out.tokens_per_forward > 2.5
-  dear = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 6.0}), segment_steps=2)
+  dear = WindowPolicy((1, 5), _table(4, cache_len, {1: 1.0, 5: 6.0}), round_steps=2)
   out = sampling.generate(m.config, m.params, prompts, window="auto", policy=dear, **kw)
   assert out.tokens == ar.tokens and out.windows == {5: 1, 1: out.forwards - 1}
   assert out.tokens_per_forward == 1.0                         # the prefill's drafts were cut
   # Costs measured on the spot, on the random model (drafts mostly wrong).
   config, params = model
-  measured = WindowPolicy((1, 3), segment_steps=3)
+  measured = WindowPolicy((1, 3), round_steps=3)
   out = sampling.generate(config, params, PROMPTS, max_new_tokens=14, mask_token_id=MASK_ID,
                           eos_token_ids=eos_ids, window="auto", policy=measured,
                           mode="lossless")
@@ -269,7 +270,7 @@ def test_continuous_batching_equals_each_request_alone(model):
   metrics = ["probability", "probability", "margin", "probability", "entropy", "margin",
              "margin"]
   server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
-                        batch_size=2, max_len=64, window=3, prefill_chunk=8, segment_steps=4)
+                        batch_size=2, max_len=64, window=3, prefill_chunk=8, round_steps=4)
   ids = [server.submit(p, max_new_tokens=b, tau=t, metric=g)
          for p, b, t, g in zip(prompts, budgets, taus, metrics)]
   streamed = {i: [] for i in ids}
@@ -294,7 +295,7 @@ def test_continuous_batching_lossless_with_load_aware_window(model):
   """Buckets follow the load (4 rows, then fewer), W follows the policy, output is AR."""
   config, params = model
   prompts, budgets = _requests(seed=1, n=6)
-  policy = WindowPolicy((1, 3), _table(4, 64, {1: 1.0, 3: 1.5}), segment_steps=4)
+  policy = WindowPolicy((1, 3), _table(4, 64, {1: 1.0, 3: 1.5}), round_steps=4)
   for b in (1, 2):
     policy.costs.put(b, 64, 1, 1.0)
     policy.costs.put(b, 64, 3, 1.5)

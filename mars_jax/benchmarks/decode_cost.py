@@ -1,7 +1,7 @@
 """`python -m mars_jax.bench decode`: where a decoding step's time goes.
 
 For each batch and window, compiles the sampler's `run_steps` variant and reports,
-next to its measured seconds per step (`sampling.step_seconds`):
+next to its measured seconds per step (`decoding.timing.step_seconds`):
   - the two rooflines of `mars_jax.benchmarks.roofline`, at this machine's memory
     bandwidth and float32 matmul rate measured in the same run: the bytes a step
     must move (the params once plus the K/V cache blocks it reads) and the FLOPs it
@@ -21,9 +21,11 @@ import re
 import jax
 import numpy as np
 
-from mars_jax import loading, sampling
-from mars_jax.benchmarks.roofline import forward_bytes, forward_flops, matmul_rate, memory_bandwidth
+from mars_jax import loading
 from mars_jax.benchmarks import toy
+from mars_jax.benchmarks.roofline import (forward_bytes, forward_flops, matmul_rate,
+                                          memory_bandwidth)
+from mars_jax.decoding import batching, loop, timing
 from mars_jax.benchmarks.sample import SHAPES
 from mars_jax.models import qwen2
 
@@ -47,11 +49,11 @@ def step_cost(config, params, *, batch: int, cache_len: int, window: int,
               mask_token_id: int) -> dict:
   """Cost analysis and layout copies of one `run_steps` step (loop of 1 step)."""
   ones = np.ones((batch,), np.int32)
-  state = sampling.start(config, ones[:, None], ones,
+  state = loop.start(config, ones[:, None], ones,
                          np.full((batch,), cache_len - window, np.int32),
                          ones.astype(np.float32), 0 * ones, cache_len=cache_len)
-  compiled = sampling.run_steps.lower(
-      config, params, state, sampling.eos_array(()), np.int32(mask_token_id), np.int32(1),
+  compiled = loop.run_steps.lower(
+      config, params, state, batching.eos_array(()), np.int32(mask_token_id), np.int32(1),
       np.bool_(False), window=window, real_slots=window, mode="gated").compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -96,7 +98,7 @@ def main(argv=None) -> None:
     for w in (int(x) for x in args.windows.split(",")):
       c = step_cost(config, params, batch=b, cache_len=args.cache_len, window=w,
                     mask_token_id=mask_id)
-      s = sampling.step_seconds(config, params, batch=b, cache_len=args.cache_len, window=w,
+      s = timing.step_seconds(config, params, batch=b, cache_len=args.cache_len, window=w,
                                 mode="gated", mask_token_id=mask_id, steps=args.steps,
                                 repeats=5)
       # the timed steps accept one token each (tau 1): slots read up to steps + W,

@@ -13,7 +13,7 @@ skipped and listed, never started late):
              (every proposal accepted on random weights: the upper bound), and W=5
              with tau 1 (probability gate: nothing accepted, exact AR: the pure
              cost of the W-1 extra slots). Per forward, next to the HBM roofline.
-  decode_7b  one decoding step (`sampling.step_seconds`) of a Qwen2.5-7B-shaped
+  decode_7b  one decoding step (`decoding.timing.step_seconds`) of a Qwen2.5-7B-shaped
              model, bf16 params initialised on the device, at batch 1 and each W,
              against the memory-bandwidth roofline: (parameter bytes read + KV
              cache bytes read) / HBM bandwidth. The einsum attention reads the
@@ -48,6 +48,7 @@ import numpy as np
 from mars_jax import objective, optimizer, sampling, sharding
 from mars_jax.benchmarks import sample, step, toy
 from mars_jax.benchmarks.roofline import forward_bytes
+from mars_jax.decoding import batching, timing
 from mars_jax.models import qwen2
 from mars_jax.models.config import Qwen2Config
 
@@ -324,9 +325,9 @@ def decode_section(plan: Plan, args, chip, report: Report, budget: Budget) -> No
     for key in calls:
       label, window, tau = key
       tokens, per_forward, forwards, _ = outputs[key]
-      cache_len = sampling.pow2(plan.prompt_len + plan.max_new_tokens + window - 1,
-                                sampling.pow2(plan.prompt_len, sampling.MIN_PROMPT_BUCKET))
-      pbytes, kvbytes = forward_bytes(config, runtime, sampling.pow2(bs), cache_len)
+      cache_len = batching.pow2(plan.prompt_len + plan.max_new_tokens + window - 1,
+                                batching.pow2(plan.prompt_len, batching.MIN_PROMPT_BUCKET))
+      pbytes, kvbytes = forward_bytes(config, runtime, batching.pow2(bs), cache_len)
       rate = sum(map(len, tokens)) / seconds[key]
       sec["rows"].append({
           "batch": bs, "row": label, "window": window, "tau": tau, "tokens_per_s": rate,
@@ -364,7 +365,7 @@ def decode_7b_section(plan: Plan, args, chip, report: Report, budget: Budget) ->
   for window in plan.big_windows:
     seconds, took = run_item(
         sec, report, budget, f"decode_7b: W={window}", estimate,
-        lambda window=window: sampling.step_seconds(
+        lambda window=window: timing.step_seconds(
             config, params, batch=1, cache_len=plan.big_cache_len, window=window,
             mode="gated", mask_token_id=config.vocab_size - 1, steps=plan.big_steps,
             repeats=plan.repeats, runtime=runtime))
@@ -467,7 +468,7 @@ def render_markdown(data: dict[str, Any]) -> str:
               f"{sec['model']} shape ({sec['shape']}), "
               f"{sec.get('params', 0) / 1e9:.2f}B params in {sec['runtime']['param_dtype']}, "
               f"cache {sec['cache_len']} slots; best of {sec['repeats']} runs of "
-              f"{sec['steps']} steps (`sampling.step_seconds`). Bytes per forward: weights "
+              f"{sec['steps']} steps (`decoding.timing.step_seconds`). Bytes per forward: weights "
               "(an untied embedding table excluded) + the whole KV cache. tokens/s bound: "
               "W / step time (tau 0, every proposal accepted).", ""]
     lines += _table(["W", "ms/forward", "GB read/forward", "roofline ms", "roofline/measured",

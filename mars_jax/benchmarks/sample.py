@@ -217,7 +217,7 @@ def make_policies(args, windows: list[int]) -> dict[str, WindowPolicy]:
     path = f"{args.costs}.{mode}.json" if args.costs else ""
     costs = CostTable.load(path) if path and os.path.isfile(path) else CostTable(
         meta={"model": args.model, "mode": mode, "backend": jax.default_backend()})
-    policies[mode] = WindowPolicy(windows, costs, segment_steps=args.segment_steps)
+    policies[mode] = WindowPolicy(windows, costs, round_steps=args.round_steps)
   return policies
 
 
@@ -273,7 +273,7 @@ def run(args) -> dict:
   facts = {"model": args.model, "prompts": args.prompts, "config": m.config.to_hf_dict(),
            "metric": args.metric, "prompt_len": args.prompt_len,
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-           "segment_steps": args.segment_steps, "backend": jax.default_backend(),
+           "round_steps": args.round_steps, "backend": jax.default_backend(),
            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
            "load_average": os.getloadavg()}
   policies = make_policies(args, windows)
@@ -327,7 +327,7 @@ def main(argv=None) -> None:
   p.add_argument("--prompt-len", type=int, default=32, help="random and toy prompts")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--segment-steps", type=int, default=8,
+  p.add_argument("--round-steps", type=int, default=8,
                  help="decoding steps between two choices of the window policy")
   p.add_argument("--costs", default="", help="cost-table prefix (see above)")
   p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,164 @@
+"""The decoding loop's host side: checks, prompt buckets, results.
+
+Every caller of the loop (`sampling.generate`, the window-policy rounds and
+`serve.Server`) lays its prompts out with `bucket`: rows padded to a power of two
+(padding rows have max_new_tokens 0, so they start done), prompts right-padded to
+a power-of-two width (>= MIN_PROMPT_BUCKET), one gate and budget per row. Powers
+of two bound the compiled variants of the loop (see `mars_jax.decoding.loop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from mars_jax import gates
+from mars_jax.decoding.loop import DecodeState
+from mars_jax.models.qwen2 import Qwen2Config
+
+MIN_PROMPT_BUCKET = 8
+EOS_BUCKET = 8
+MODES = ("gated", "lossless")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+  """What `generate` returns.
+
+  tokens: one continuation per prompt, up to and including its EOS.
+  num_forwards: per prompt, the forwards it took part in (prefill included).
+  forwards: forwards run for the whole batch (the longest sample's count).
+  windows: forwards run for the batch at each window W.
+  """
+  tokens: list[list[int]]
+  num_forwards: list[int]
+  forwards: int
+  windows: dict[int, int] = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_tokens(self) -> list[int]:
+    return [len(t) for t in self.tokens]
+
+  @property
+  def tokens_per_forward(self) -> float:
+    """Generated tokens per forward of a sample (1.0 for AR), over the batch."""
+    return sum(self.num_tokens) / max(sum(self.num_forwards), 1)
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+  """The smallest power of two >= max(n, minimum)."""
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def eos_array(eos_token_ids: int | Sequence[int]) -> np.ndarray:
+  """EOS ids -> int32[e] padded with -1 to a power of two (>= EOS_BUCKET)."""
+  ids = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else list(eos_token_ids)
+  out = np.full((pow2(len(ids), EOS_BUCKET),), -1, np.int32)
+  out[:len(ids)] = ids
+  return out
+
+
+def per_prompt(value, n: int, name: str, dtype) -> np.ndarray:
+  """A scalar, or one value per prompt -> dtype[n]."""
+  out = np.broadcast_to(np.asarray(value, dtype), (n,)) if np.ndim(value) == 0 else (
+      np.asarray(value, dtype))
+  if out.shape != (n,):
+    raise ValueError(f"{name}: {len(out)} values for {n} prompts; pass one, or one per "
+                     "prompt.")
+  return out
+
+
+def check_args(config: Qwen2Config, *, window: int, mode: str, mask_token_id: int) -> None:
+  """Raises ValueError on a window, mode or mask id the sampler rejects."""
+  if window < 1:
+    raise ValueError(f"window={window}; it must be >= 1 (1 is plain AR decoding).")
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r}; expected one of {list(MODES)}.")
+  if not 0 <= mask_token_id < config.vocab_size:
+    raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary "
+                     f"(vocab_size {config.vocab_size}); use hf.load_tokenizer's id.")
+
+
+def check_prompt_ids(config: Qwen2Config, prompts: Sequence[Sequence[int]]) -> None:
+  """Raises ValueError when a prompt holds a token id outside [0, vocab_size)."""
+  for i, p in enumerate(prompts):
+    ids = np.asarray(p)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+      raise ValueError(f"prompt {i}: token ids must be integers, got {ids.dtype}.")
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+      raise ValueError(
+          f"prompt {i}: token id {int(bad[0])} is outside the vocabulary [0, "
+          f"{config.vocab_size}); encode prompts with the model's own tokenizer.")
+
+
+def check_prompts(config: Qwen2Config, prompts: Sequence[Sequence[int]], max_new_tokens
+                   ) -> np.ndarray:
+  """-> the per-prompt budgets int32[len(prompts)]; raises on empty prompts or budgets,
+  token ids outside the vocabulary, and sequences longer than the model's positions."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("prompts must be a non-empty list of non-empty token lists.")
+  budget = per_prompt(max_new_tokens, len(prompts), "max_new_tokens", np.int32)
+  if np.any(budget < 1):
+    raise ValueError(f"max_new_tokens={budget.tolist()}; it must be >= 1.")
+  check_prompt_ids(config, prompts)
+  total = np.asarray([len(p) for p in prompts]) + budget
+  i = int(np.argmax(total))
+  if total[i] > config.max_position_embeddings:
+    raise ValueError(
+        f"prompt {i}: {len(prompts[i])} prompt tokens + max_new_tokens {int(budget[i])} = "
+        f"{int(total[i])} exceeds the model's max_position_embeddings "
+        f"({config.max_position_embeddings}); lower max_new_tokens or shorten the prompt.")
+  return budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """Prompts laid out for the loop, b rows (a power of two) of width P.
+
+  prompt: int32[b, P] right-padded; prompt_len: int32[b] (1 on padding rows);
+  max_new_tokens: int32[b] (0 on padding rows: they start done);
+  tau: float32[b]; metric: int32[b] (indices into `gates.METRICS`).
+  """
+  prompt: np.ndarray
+  prompt_len: np.ndarray
+  max_new_tokens: np.ndarray
+  tau: np.ndarray
+  metric: np.ndarray
+
+  def cache_len(self, window: int) -> int:
+    """Cache slots for every row's prompt + budget + W - 1: a power of two >= P."""
+    need = int(np.max(self.prompt_len + self.max_new_tokens)) + window - 1
+    return pow2(need, self.prompt.shape[1])
+
+
+def bucket(prompts: Sequence[Sequence[int]], rows: int, *, max_new_tokens,
+           tau: float | Sequence[float] = 1.0,
+           metric: str | Sequence[str] = "probability") -> Bucket:
+  """n prompts in the first n of `rows` rows (rows >= n); max_new_tokens, tau, metric:
+  one value, or one per prompt (as `sampling.generate`)."""
+  n = len(prompts)
+  prompt = np.zeros((rows, pow2(max(map(len, prompts)), MIN_PROMPT_BUCKET)), np.int32)
+  lens = np.ones((rows,), np.int32)
+  for i, p in enumerate(prompts):
+    prompt[i, :len(p)] = p
+    lens[i] = len(p)
+
+  def pad(values, fill=0):
+    return np.pad(values, (0, rows - n), constant_values=fill)
+  return Bucket(prompt, lens, pad(per_prompt(max_new_tokens, n, "max_new_tokens", np.int32)),
+                pad(per_prompt(tau, n, "tau", np.float32), 1.0),
+                pad(gates.metric_ids(metric, n)))
+
+
+def results(state: DecodeState, n: int, windows: dict[int, int] | None = None
+            ) -> GenerateResult:
+  """The `GenerateResult` of the first `n` rows of a final `DecodeState`."""
+  seq, start, end, fwd, steps = jax.device_get(
+      (state.seq, state.prompt_len, state.length, state.forwards, state.steps))
+  return GenerateResult(
+      tokens=[seq[i, start[i]:end[i]].tolist() for i in range(n)],
+      num_forwards=fwd[:n].tolist(), forwards=int(steps), windows=dict(windows or {}))

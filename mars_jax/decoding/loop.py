@@ -1,0 +1,310 @@
+"""The decoding loop's jitted kernels: one `lax.while_loop` over a fixed-shape KV cache.
+
+Each step runs one forward over `2W-1` slots per sample: the tokens accepted by
+the previous step (their K/V are written now: deferred commitment), padded to
+`W` slots, then `W-1` MASK slots after the last accepted token. The output at
+the last real token (exact AR) and at each MASK slot gives `W` proposals, which
+`mars_jax.gates.accept` takes left to right. Every sample keeps its own cursors
+and advances by its own accepted count; finished samples drop their writes.
+
+One sample, W = 3, cursor c = 5 (slots 0..4 hold committed K/V), length n = 7
+(x5, x6 were accepted last step; their K/V are not written yet):
+
+  slot j           0     1     2   |  3     4
+  input            x5    x6    -   |  MASK  MASK
+  RoPE position    5     6     -   |  7     8
+  cache write      5     6    drop |  7     8
+  proposal for     .     x7    .   |  x8    x9
+
+Cache slot s always holds RoPE position s. A query at position p reads the
+slots s <= p, which this forward or an earlier one has written:
+
+  cache slot       0..4  5  6  7  8
+  x5   (p=5)        1    1  .  .  .
+  x6   (p=6)        1    1  1  .  .
+  MASK (p=7)        1    1  1  1  .      MASK slots see the committed prefix and
+  MASK (p=8)        1    1  1  1  1      the earlier MASK slots, causally.
+
+After accepting `a` tokens: c = 7, n = 7 + a. The MASK K/V at slots 7, 8 lie
+past the new cursor; the next forward overwrites them (real tokens at 7..6+a,
+MASK slots after) before any query can read them, so no copy of the cache is
+ever made. The prefill is the same forward with the whole prompt as the pending
+tokens (c = 0, n = prompt length), so it already yields the first proposals.
+
+With W = 1 there are no MASK slots and every step is a plain cached AR step.
+
+Lossless mode (`mode="lossless"`) takes every MASK proposal as a draft instead of
+gating it. The drafts are fed as real tokens by the next forward, right after the
+last verified token, whose causal outputs are then the exact greedy AR tokens
+(`gates.verify`). W = 3, verified length n = 7 (x6's K/V pending), drafts d7, d8:
+
+  slot j           0     1     2   |  3     4
+  input            x6    d7    d8  |  MASK  MASK
+  RoPE position    6     7     8   |  9     10
+  greedy AR        g7    g8    g9  |  d10   d11   (the next drafts)
+
+d7 == g7, d8 != g8: commit g7 and the correction g8 (n = 9), discard the MASK
+proposals, cursor = 8 (the K/V of x6, d7 are valid; d8's are stale and get
+overwritten). All drafts matching: commit g7, g8, g9 and take d10, d11 as the
+next drafts. The output is greedy AR, token for token, at every W.
+
+A step feeds at most `real_slots` pending tokens; a sample with more pending
+(a long prompt chunked over several steps, or W lowered between segments)
+writes those K/V and moves its cursor without proposing (a partial step).
+
+Per-sample gates: `tau` and `metric` are arrays in the loop state, one entry per
+sample, so one batch mixes exact-AR (tau >= 1) and fast requests in one
+compilation. Compilation: one per (batch bucket, prompt-length bucket,
+cache-length bucket, W, mode), all powers of two; budgets and gates are traced.
+
+Beyond `decode` (one call to completion), `run_steps` runs the loop for a
+bounded number of steps (a round) on a state that `insert` can refill row by row
+and `regroup` can move to another batch bucket: `mars_jax.decoding.rounds` and
+`mars_jax.serve` build the load-aware window and continuous batching on them.
+The host side (buckets, checks, results) is `mars_jax.decoding.batching`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mars_jax import gates
+from mars_jax.models import qwen2
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
+
+Array = jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+  """Loop state (b: batch bucket, S: cache slots).
+
+  seq: int32[b, S]: token at each position (prompt, accepted tokens, drafts).
+  cache: {"k","v"}: [layers, b, kv_heads, S, head_dim]; slot s holds position s.
+  cursor: int32[b]: slots [0, cursor) hold committed K/V.
+  length: int32[b]: tokens committed so far; [cursor, length) are pending
+    (accepted, K/V written by the next forward).
+  draft: int32[b]: lossless mode: seq[length:length+draft] are unverified drafts
+    (0 in gated mode).
+  prompt_len: int32[b].
+  limit: int32[b]: prompt_len + max_new_tokens (the length at which a sample stops).
+  tau: float32[b], metric: int32[b] (index into `gates.METRICS`): each sample's gate.
+  done: bool[b]: finished (EOS accepted, budget used, or a padding row).
+  forwards: int32[b]: forwards in which the sample proposed tokens.
+  steps: int32[]: forwards run for the batch (prefill included).
+  """
+  seq: Array
+  cache: dict[str, Array]
+  cursor: Array
+  length: Array
+  draft: Array
+  prompt_len: Array
+  limit: Array
+  tau: Array
+  metric: Array
+  done: Array
+  forwards: Array
+  steps: Array
+
+
+def _hidden(config: Qwen2Config, runtime: Runtime, params, tokens, positions, cache,
+            write_index, attn_mask):
+  """Cached forward up to the final norm: -> (hidden [b, t, embed], updated cache)."""
+  return qwen2.Qwen2ForCausalLM(config, runtime).apply(
+      {"params": params}, tokens, positions, attn_mask, cache, write_index, method="hidden")
+
+
+def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, eos_ids: Array,
+            mask_token_id: Array, *, real_slots: int, window: int, mode: str) -> DecodeState:
+  """One forward over `real_slots` pending-token slots plus `window-1` MASK slots.
+
+  The pending tokens seq[cursor:length] of each sample, then (lossless) its
+  drafts, at most `real_slots` in all, are fed as real inputs and their K/V
+  written; the MASK slots follow the last of them. A sample with more pending
+  tokens than `real_slots` takes a partial step (writes K/V, proposes nothing).
+  Gated mode accepts the `window` proposals by `gates.accept`; lossless mode
+  commits what `gates.verify` confirms and keeps the MASK proposals as the next
+  drafts after a full match.
+  """
+  batch, slots = state.seq.shape
+  rows = jnp.arange(batch)[:, None]
+  active = ~state.done
+  cursor, length = state.cursor, state.length
+  pending = length - cursor                       # accepted, K/V not written yet
+  partial = active & (pending > real_slots)
+  drafts_fed = jnp.zeros_like(length)
+  if mode == "lossless":
+    drafts_fed = jnp.where(partial, 0, jnp.clip(jnp.minimum(state.draft, real_slots - pending),
+                                                0, window - 1))
+  real_count = jnp.where(partial, real_slots, pending + drafts_fed)
+  slot = jnp.arange(real_slots)[None]
+  is_real = (slot < real_count[:, None]) & active[:, None]
+  real_pos = cursor[:, None] + slot
+  real_tokens = jnp.take_along_axis(state.seq, jnp.minimum(real_pos, slots - 1), axis=1)
+  mask_pos = (length + drafts_fed - 1)[:, None] + jnp.arange(1, window)[None]
+  tokens = jnp.concatenate(
+      [real_tokens, jnp.broadcast_to(mask_token_id, (batch, window - 1))],
+      axis=1).astype(jnp.int32)
+  positions = jnp.concatenate([real_pos, mask_pos], axis=1)
+  proposing = active & ~partial
+  write_slots = jnp.concatenate([jnp.where(is_real, real_pos, slots),
+                                 jnp.where(proposing[:, None], mask_pos, slots)], axis=1)
+  attn_mask = jnp.arange(slots)[None, None] <= positions[..., None]
+  hidden, cache = _hidden(config, runtime, params, tokens, positions, state.cache,
+                          write_slots, attn_mask)
+
+  last_verified = jnp.maximum(pending - 1, 0)[:, None]  # input slot of the last real token
+  real_out = last_verified + jnp.arange(window if mode == "lossless" else 1)[None]
+  out_slots = jnp.concatenate(
+      [jnp.minimum(real_out, real_slots - 1),
+       jnp.broadcast_to(real_slots + jnp.arange(window - 1), (batch, window - 1))], axis=1)
+  logits = qwen2.unembed(config, params,
+                         jnp.take_along_axis(hidden, out_slots[..., None], axis=1),
+                         runtime=runtime)
+  budget_left = jnp.where(proposing, state.limit - length, 0)
+  proposal = jnp.arange(window)[None]
+  if mode == "lossless":
+    greedy = gates.greedy(logits[:, :window])
+    masked = gates.greedy(logits[:, window:])
+    drafts = jnp.take_along_axis(
+        state.seq, jnp.minimum(length[:, None] + jnp.arange(window - 1)[None], slots - 1),
+        axis=1)
+    accepted, hit_eos = gates.verify(greedy, drafts, drafts_fed, eos_ids, budget_left)
+    new_length = length + accepted
+    full_match = (accepted == drafts_fed + 1) & ~hit_eos
+    next_drafts = jnp.where(full_match, jnp.clip(state.limit - new_length, 0, window - 1), 0)
+    out = jnp.concatenate([greedy, masked], axis=1)
+    dest = jnp.concatenate(
+        [jnp.where(proposal < accepted[:, None], length[:, None] + proposal, slots),
+         jnp.where(proposal[:, :window - 1] < next_drafts[:, None],
+                   new_length[:, None] + proposal[:, :window - 1], slots)], axis=1)
+  else:
+    out, accepted, hit_eos = gates.accept(logits, state.tau, state.metric, eos_ids,
+                                          budget_left)
+    new_length = length + accepted
+    next_drafts = jnp.zeros_like(length)
+    dest = jnp.where(proposal < accepted[:, None], length[:, None] + proposal, slots)
+  new_cursor = jnp.where(partial, cursor + real_slots,
+                         jnp.where(active, length + jnp.minimum(drafts_fed, accepted - 1),
+                                   cursor))
+  return state.replace(
+      seq=state.seq.at[rows, dest].set(out, mode="drop"), cache=cache,
+      cursor=new_cursor, length=new_length,
+      draft=jnp.where(proposing, next_drafts, state.draft),
+      done=state.done | hit_eos | (new_length >= state.limit),
+      forwards=state.forwards + proposing.astype(jnp.int32),
+      steps=state.steps + 1)
+
+
+def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
+              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+  """An empty state: `batch` padding rows (done), a zeroed cache of `cache_len` slots."""
+  def zeros():  # one buffer per field: `insert` and `run_steps` donate the state
+    return jnp.zeros((batch,), jnp.int32)
+  return DecodeState(
+      seq=jnp.zeros((batch, cache_len), jnp.int32),
+      cache=qwen2.init_cache(config, batch, cache_len, runtime=runtime),
+      cursor=zeros(), length=zeros(), draft=zeros(), prompt_len=zeros(), limit=zeros(),
+      tau=jnp.ones((batch,), jnp.float32), metric=zeros(),
+      done=jnp.ones((batch,), bool), forwards=zeros(), steps=jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
+           max_new_tokens: Array, tau: Array, metric: Array) -> DecodeState:
+  """Starts new samples in rows of a state, leaving the other rows as they are.
+
+  rows: int32[k] (entries >= b are ignored); prompt: int32[k, P] right-padded;
+  prompt_len: int32[k] (>= 1); max_new_tokens: int32[k] (0: the row stays done);
+  tau: float32[k]; metric: int32[k]. The rows' old K/V stay in the cache: a query
+  at position p reads slots <= p only, and the new sample's forwards write them first.
+  """
+  def put(field, value):
+    return field.at[rows].set(value.astype(field.dtype), mode="drop")
+  p = prompt.shape[1]
+  seq = state.seq.at[rows, :p].set(prompt, mode="drop")
+  zeros = jnp.zeros_like(prompt_len)
+  return state.replace(
+      seq=seq, cursor=put(state.cursor, zeros), length=put(state.length, prompt_len),
+      draft=put(state.draft, zeros), prompt_len=put(state.prompt_len, prompt_len),
+      limit=put(state.limit, prompt_len + max_new_tokens), tau=put(state.tau, tau),
+      metric=put(state.metric, metric), done=put(state.done, max_new_tokens <= 0),
+      forwards=put(state.forwards, zeros))
+
+
+@jax.jit
+def regroup(state: DecodeState, rows: Array) -> DecodeState:
+  """A state of len(rows) rows: row i is old row rows[i], or padding where rows[i] >= b.
+
+  rows: int32[b'] -> the state with batch bucket b' (same cache length).
+  """
+  b = state.seq.shape[0]
+  idx = jnp.minimum(rows, b - 1)
+  per_row = {f.name: getattr(state, f.name)[idx] for f in dataclasses.fields(state)
+             if f.name not in ("cache", "steps")}
+  return state.replace(**{**per_row, "done": per_row["done"] | (rows >= b)},
+                       cache=jax.tree.map(lambda a: a[:, idx], state.cache))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "real_slots", "mode"),
+                   donate_argnames=("state",))
+def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
+              mask_token_id: Array, max_steps: Array, stop_on_finish: Array, *,
+              window: int, real_slots: int, mode: str,
+              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+  """Decoding steps on `state` until every row is done, `max_steps` forwards ran,
+  or (stop_on_finish) some row finished; each step feeds up to `real_slots`
+  pending tokens per row (after `insert`, a wide first call prefills).
+
+  eos_ids: int32[e] (entries < 0 are padding); mask_token_id, max_steps: int32[];
+  stop_on_finish: bool[] -> the new state (the old one is donated).
+  """
+  done0, steps0 = state.done, state.steps
+
+  def cond(st):
+    finished = jnp.any(st.done & ~done0)
+    return jnp.any(~st.done) & (st.steps - steps0 < max_steps) & ~(stop_on_finish & finished)
+
+  step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
+                           mask_token_id=mask_token_id, real_slots=real_slots,
+                           window=window, mode=mode)
+  return jax.lax.while_loop(cond, step, state)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "cache_len"))
+def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens: Array,
+          tau: Array, metric: Array, *, cache_len: int,
+          runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+  """A state of b = len(prompt) rows starting the prompts (arguments as `insert`;
+  rows with max_new_tokens 0 are padding), nothing run yet."""
+  b = prompt.shape[0]
+  return insert(new_state(config, b, cache_len, runtime=runtime), jnp.arange(b), prompt,
+                prompt_len, max_new_tokens, tau, metric)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
+def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
+           max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
+           mask_token_id: Array, *, window: int, mode: str, cache_len: int,
+           runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+  """Prefill, then the decoding loop until every sample is done.
+
+  prompt: int32[b, P] right-padded; prompt_len: int32[b] (>= 1);
+  max_new_tokens: int32[b] (0 marks a padding row); tau: float32[b];
+  metric: int32[b] (index into `gates.METRICS`); eos_ids: int32[e] (entries < 0
+  are padding); mask_token_id: int32[];
+  cache_len: S >= max(prompt_len + max_new_tokens) + window - 1.
+  -> the final `DecodeState`; sample i generated seq[i, prompt_len[i]:length[i]].
+  """
+  state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len,
+                runtime=runtime)
+  step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
+                           mask_token_id=mask_token_id, window=window, mode=mode)
+  state = step(state, real_slots=prompt.shape[1])
+  return jax.lax.while_loop(lambda st: jnp.any(~st.done),
+                            functools.partial(step, real_slots=window), state)

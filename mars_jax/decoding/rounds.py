@@ -1,0 +1,101 @@
+"""Rounds of decoding steps at a window the policy chooses: the host loop between the
+jitted kernels (`mars_jax.decoding.loop`) and the load-aware window
+(`mars_jax.window_policy`).
+
+A round is one policy decision: W for the state's batch bucket, then
+`policy.round_steps` steps of `loop.run_steps` (the first ones wider when new rows
+need a prefill), then the acceptance seen reported back to the policy. Each round
+ends in one host round trip (`progress`). `generate_with_policy` runs rounds until
+every prompt is done; `mars_jax.serve` runs one per `Server.step`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from mars_jax.decoding import batching, loop, timing
+from mars_jax.decoding.batching import Bucket, GenerateResult
+from mars_jax.decoding.loop import DecodeState
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
+from mars_jax.window_policy import FixedWindow, Measure, WindowPolicy
+
+Policy = WindowPolicy | FixedWindow
+
+
+class Progress(NamedTuple):
+  """Host copies of a state's counters: done bool[b], length, forwards int32[b], steps."""
+  done: np.ndarray
+  length: np.ndarray
+  forwards: np.ndarray
+  steps: int
+
+
+def progress(state: DecodeState) -> Progress:
+  done, length, forwards, steps = jax.device_get(
+      (state.done, state.length, state.forwards, state.steps))
+  return Progress(done, length, forwards, int(steps))
+
+
+def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
+              eos_ids: np.ndarray, mask_token_id: int, mode: str, measure: Measure | None,
+              before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
+              stop_on_finish: bool = False, runtime: Runtime = DEFAULT_RUNTIME
+              ) -> tuple[DecodeState, int, Progress]:
+  """One round: W for the state's batch, then `policy.round_steps` steps (the first
+  `wide_steps` of them `real_slots` wide when that exceeds W, to prefill new rows),
+  and the acceptance seen reported to the policy.
+  before: the state's `progress` when the caller has it.
+  -> (new state, W, its progress)."""
+  b, cache_len = state.seq.shape
+  before = before or progress(state)
+  window = policy.choose(b, cache_len, int(np.sum(~before.done)), measure)
+  call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
+                           mask_token_id=np.int32(mask_token_id), window=window, mode=mode,
+                           runtime=runtime)
+  steps = policy.round_steps
+  if real_slots > window:
+    state = call(state=state, max_steps=np.int32(wide_steps), stop_on_finish=np.bool_(False),
+                 real_slots=real_slots)
+    steps -= wide_steps
+  if steps > 0:
+    state = call(state=state, max_steps=np.int32(steps),
+                 stop_on_finish=np.bool_(stop_on_finish), real_slots=window)
+  after = progress(state)
+  policy.observe(window, int(np.sum(after.length - before.length)),
+                 int(np.sum(after.forwards - before.forwards)))
+  return state, window, after
+
+
+def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
+                         policy: Policy, *, mask_token_id: int, eos_token_ids, mode: str,
+                         runtime: Runtime = DEFAULT_RUNTIME) -> GenerateResult:
+  """`sampling.generate` of the first `n` rows of `prompts` with the window chosen by
+  `policy` before every round.
+
+  The prefill runs first, at a window that does not depend on the policy's choice
+  (so it compiles once per prompt bucket): the largest W in lossless mode (its
+  drafts are cut to the W chosen next), 1 in gated mode (accepted tokens would
+  otherwise exceed a smaller W's slots)."""
+  state = loop.start(config, prompts.prompt, prompts.prompt_len, prompts.max_new_tokens,
+                     prompts.tau, prompts.metric,
+                     cache_len=prompts.cache_len(max(policy.windows)), runtime=runtime)
+  eos_ids = batching.eos_array(eos_token_ids)
+  prefill_window = max(policy.windows) if mode == "lossless" else 1
+  state = loop.run_steps(config, params, state, eos_ids, np.int32(mask_token_id), np.int32(1),
+                         np.bool_(False), window=prefill_window,
+                         real_slots=prompts.prompt.shape[1], mode=mode, runtime=runtime)
+  measure = timing.measure_fn(config, params, mode=mode, mask_token_id=mask_token_id,
+                              runtime=runtime)
+  used = {prefill_window: 1}
+  now = progress(state)
+  while not np.all(now.done[:n]):
+    steps0 = now.steps
+    state, window, now = run_round(config, params, state, policy, eos_ids=eos_ids,
+                                   mask_token_id=mask_token_id, mode=mode, measure=measure,
+                                   before=now, runtime=runtime)
+    used[window] = used.get(window, 0) + now.steps - steps0
+  return batching.results(state, n, used)

@@ -1,0 +1,45 @@
+"""Measured seconds per decoding step of a compiled loop variant: the step costs the
+load-aware window (`mars_jax.window_policy`) weighs, and what `bench decode` reports."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from mars_jax.decoding import batching, loop
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
+from mars_jax.window_policy import Measure
+
+
+def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
+                 mode: str, mask_token_id: int, steps: int = 32, repeats: int = 5,
+                 runtime: Runtime = DEFAULT_RUNTIME) -> float:
+  """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
+  window, mode): `batch` rows decoding from a one-token prompt (tau 1), best of
+  `repeats` runs of `steps` steps after one that compiles."""
+  ones = np.ones((batch,), np.int32)
+  best = float("inf")
+  for _ in range(repeats + 1):
+    state = loop.start(config, ones[:, None], ones,
+                       np.full((batch,), cache_len - window, np.int32), ones.astype(np.float32),
+                       0 * ones, cache_len=cache_len, runtime=runtime)
+    jax.block_until_ready(state)
+    begin = time.perf_counter()
+    state = loop.run_steps(config, params, state, batching.eos_array(()),
+                           np.int32(mask_token_id), np.int32(steps), np.bool_(False),
+                           window=window, real_slots=window, mode=mode, runtime=runtime)
+    ran = int(state.steps)
+    best = min(best, (time.perf_counter() - begin) / max(ran, 1))
+  return best
+
+
+def measure_fn(config: Qwen2Config, params, *, mode: str, mask_token_id: int,
+               runtime: Runtime = DEFAULT_RUNTIME) -> Measure:
+  """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
+  it round-robin over the windows), for `WindowPolicy.choose`."""
+  def measure(batch: int, cache_len: int, window: int) -> float:
+    return step_seconds(config, params, batch=batch, cache_len=cache_len, window=window,
+                        mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime)
+  return measure

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from mars_jax import sampling
+from mars_jax.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
@@ -121,7 +122,7 @@ def describe_settings(settings: dict, origins: dict) -> str:
 
 
 def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, window: int = 1,
-          metric: str = "probability", batch_size: int = 64, max_new_tokens: int = 64,
+          metric: Metric = "probability", batch_size: int = 64, max_new_tokens: int = 64,
           progress: Any = None) -> dict:
   """Decodes every problem; -> {accuracy, tokens_per_forward, tokens, forwards, n,
   outputs}. tokens_per_forward = generated tokens / per-sample forwards (prefill

@@ -41,19 +41,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mars_jax import choices
+from mars_jax.choices import Metric
+
 Array = jax.Array
 
-METRICS = ("probability", "margin", "entropy")
+METRICS = choices.values(Metric)  # a sample's metric is an index into this
 
 
-def metric_ids(metric: str | Sequence[str], n: int) -> np.ndarray:
+def metric_ids(metric: Metric | Sequence[Metric], n: int) -> np.ndarray:
   """One gate name, or one per sample -> int32[n] indices into `METRICS`."""
   names = [metric] * n if isinstance(metric, str) else list(metric)
   if len(names) != n:
     raise ValueError(f"{len(names)} metrics for {n} prompts; pass one, or one per prompt.")
   for name in names:
-    if name not in METRICS:
-      raise ValueError(f"metric={name!r}; expected one of {list(METRICS)}.")
+    choices.check(Metric, name, "metric")
   return np.asarray([METRICS.index(m) for m in names], np.int32)
 
 
@@ -66,7 +68,7 @@ def greedy(logits: Array) -> Array:
   return jnp.min(jnp.where(logits == top, index, logits.shape[-1]), axis=-1)
 
 
-def gate(logits: Array, tau: Array, metric: str | Array) -> Array:
+def gate(logits: Array, tau: Array, metric: Metric | Array) -> Array:
   """Whether each proposal's distribution passes the gate.
 
   logits: float32[..., vocab]; tau: float32 broadcastable to [...];
@@ -76,8 +78,8 @@ def gate(logits: Array, tau: Array, metric: str | Array) -> Array:
   With z = exp(logits - max), s = sum(z): p1 = 1/s, p2 = exp(second - max)/s (the
   largest logit once the greedy one is set aside), H = log s - sum(z (logits - max))/s.
   """
-  if isinstance(metric, str) and metric not in METRICS:
-    raise ValueError(f"metric={metric!r}; expected one of {list(METRICS)}.")
+  if isinstance(metric, str):
+    choices.check(Metric, metric, "metric")
   logits = logits.astype(jnp.float32)
   shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
   z = jnp.exp(shifted)
@@ -117,7 +119,7 @@ def take(proposals: Array, passes: Array, eos_ids: Array,
   return accepted, first_eos < accepted
 
 
-def accept(logits: Array, tau: Array, metric: str | Array, eos_ids: Array,
+def accept(logits: Array, tau: Array, metric: Metric | Array, eos_ids: Array,
            remaining: Array) -> tuple[Array, Array, Array]:
   """Greedy proposals and how many of them each sample accepts under its gate.
 

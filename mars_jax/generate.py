@@ -19,7 +19,8 @@ import json
 import time
 from typing import Sequence
 
-from mars_jax import gates, sampling
+from mars_jax import choices, gates, sampling
+from mars_jax.choices import Mode
 from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
 from mars_jax.models.qwen2 import Runtime
 
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
   p.add_argument("--window", default="1",
                  help="proposals per forward W, 1 <= W <= block size + 1 (1: AR), or 'auto' "
                       "(load-aware choice, mars_jax.window_policy)")
-  p.add_argument("--mode", choices=["gated", "lossless"], default="gated",
+  p.add_argument("--mode", choices=choices.values(Mode), default="gated",
                  help="gated: MASK proposals committed under the gate; lossless: drafts "
                       "verified by the next forward, output equal to greedy AR")
   p.add_argument("--metric", choices=gates.METRICS, default="probability")

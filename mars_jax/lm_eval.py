@@ -64,6 +64,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 from tqdm.auto import tqdm  # noqa: E402
 
 from mars_jax import gates, masks, objective, sampling  # noqa: E402
+from mars_jax.choices import Metric, Mode  # noqa: E402
 from mars_jax.decoding import batching  # noqa: E402
 from mars_jax.loading import load_model, warn_untrained_windows  # noqa: E402
 from mars_jax.models import qwen2  # noqa: E402
@@ -120,7 +121,7 @@ class MarsJaxLM(TemplateLM):
   """lm-eval model over a mars_jax checkpoint (see the module docstring)."""
 
   def __init__(self, pretrained: str, window: int | str = 4, tau: float = 0.9,
-               metric: str = "probability", mode: str = "gated", batch_size: int | str = 8,
+               metric: Metric = "probability", mode: Mode = "gated", batch_size: int | str = 8,
                dtype: str | None = None, attention_impl: str | None = None,
                max_length: int | None = None, max_gen_toks: int = 256,
                device: str | None = None, max_batch_size: int | None = None) -> None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mars_jax import choices
+from mars_jax.choices import IntraBlock
+
 Array = jax.Array
-INTRA_BLOCK = ("causal", "bidirectional")
 
 
 def causal_mask(length: int) -> Array:
@@ -59,7 +61,7 @@ def segment_causal_mask(segment_ids: Array) -> Array:
   return causal_mask(segment_ids.shape[-1])[None] & same
 
 
-def two_stream_mask(length: int, block_size: int, *, intra_block: str = "causal") -> Array:
+def two_stream_mask(length: int, block_size: int, *, intra_block: IntraBlock = "causal") -> Array:
   """The MARS two-stream mask over [clean | noisy]: bool[2L, 2L].
 
   L=6, B=2, intra_block="causal" (1 = may attend; rows are queries):
@@ -88,7 +90,7 @@ def two_stream_mask(length: int, block_size: int, *, intra_block: str = "causal"
 
 
 def two_stream_segment_mask(segment_ids: Array, positions: Array, block_size: int, *,
-                            intra_block: str = "causal") -> Array:
+                            intra_block: IntraBlock = "causal") -> Array:
   """Two-stream mask of packed rows: bool[b, 2L, 2L].
 
   segment_ids: int32[b, L] (0 = padding); positions: int32[b, L], the per-segment
@@ -101,7 +103,7 @@ def two_stream_segment_mask(segment_ids: Array, positions: Array, block_size: in
 
 def two_stream_target_mask(segment_ids: Array, positions: Array, noisy_segment_ids: Array,
                            noisy_positions: Array, block_size: int, *,
-                           intra_block: str = "causal") -> Array:
+                           intra_block: IntraBlock = "causal") -> Array:
   """Two-stream mask over [clean | a noisy stream of any tokens]: bool[b, L + n, L + n].
 
   segment_ids, positions: int32[b, L] of the clean row; noisy_segment_ids,
@@ -121,10 +123,9 @@ def _same_segment(seg_q: Array, seg_k: Array) -> Array:
 
 
 def _two_stream(positions: Array, segment_ids: Array, noisy_positions: Array,
-                noisy_segment_ids: Array, block_size: int, intra_block: str) -> Array:
+                noisy_segment_ids: Array, block_size: int, intra_block: IntraBlock) -> Array:
   """int32[L] clean and int32[n] noisy positions and segments -> bool[L + n, L + n]."""
-  if intra_block not in INTRA_BLOCK:
-    raise ValueError(f"intra_block={intra_block!r}; expected one of {list(INTRA_BLOCK)}.")
+  choices.check(IntraBlock, intra_block, "intra_block")
   if block_size < 1:
     raise ValueError(f"block_size={block_size}; must be >= 1.")
   causal = causal_mask(positions.shape[-1]) & _same_segment(segment_ids, segment_ids)

@@ -37,14 +37,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import masks
+from mars_jax import choices, masks
+from mars_jax.choices import IntraBlock, Kind, Normalization
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 
 Array = jax.Array
 Batch = dict[str, Array]
-KINDS = ("mars", "ar_sft")
-NORMALIZATIONS = ("sequence", "token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +63,17 @@ class ObjectiveConfig:
   positions (`rows_cut` counts it); the trainer derives an n that fits the data.
   """
 
-  kind: str = "mars"
+  kind: Kind = "mars"
   block_size: int = 4
   mask_token_id: int | None = None
   ar_weight: float = 1.0
-  intra_block: str = "causal"
-  normalization: str = "sequence"
+  intra_block: IntraBlock = "causal"
+  normalization: Normalization = "sequence"
   chunk_size: int | None = 256
   stream_length: int | None = None
 
   def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"objective.kind={self.kind!r}; expected one of {list(KINDS)}.")
+    choices.check(Kind, self.kind, "objective.kind")
     if self.block_size < 1:
       raise ValueError(f"objective.block_size={self.block_size}; must be >= 1.")
     if self.kind == "mars" and self.mask_token_id is None:
@@ -83,12 +81,8 @@ class ObjectiveConfig:
                        "<|mask|>, see mars_jax.hf.load_tokenizer).")
     if self.ar_weight < 0:
       raise ValueError(f"objective.ar_weight={self.ar_weight}; must be >= 0.")
-    if self.intra_block not in masks.INTRA_BLOCK:
-      raise ValueError(f"objective.intra_block={self.intra_block!r}; expected one of "
-                       f"{list(masks.INTRA_BLOCK)}.")
-    if self.normalization not in NORMALIZATIONS:
-      raise ValueError(f"objective.normalization={self.normalization!r}; expected one of "
-                       f"{list(NORMALIZATIONS)}.")
+    choices.check(IntraBlock, self.intra_block, "objective.intra_block")
+    choices.check(Normalization, self.normalization, "objective.normalization")
     if self.chunk_size is not None and self.chunk_size < 1:
       raise ValueError(f"objective.chunk_size={self.chunk_size}; must be >= 1 or None.")
     if self.stream_length is not None and self.stream_length < 1:
@@ -134,7 +128,7 @@ def prepare(batch: Batch) -> dict[str, Array]:
 
 
 def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
-                      intra_block: str = "causal") -> tuple[Array, Array, Array]:
+                      intra_block: IntraBlock = "causal") -> tuple[Array, Array, Array]:
   """Model inputs of the full two-stream pass over [clean | noisy] (every block kept).
 
   -> tokens: int32[b, 2L] (noisy = MASK on every loss_mask token), positions:
@@ -208,7 +202,7 @@ def _gather(a: Array, stream: dict[str, Array], fill=0) -> Array:
 
 
 def _two_stream(f: dict[str, Array], stream: dict[str, Array], block_size: int,
-                mask_token_id: int, intra_block: str) -> tuple[Array, Array, Array]:
+                mask_token_id: int, intra_block: IntraBlock) -> tuple[Array, Array, Array]:
   """[clean row | noisy target stream] inputs: tokens, positions int32[b, L + n] and
   attn_mask bool[b, L + n, L + n]; each noisy token is MASK where the clean one is a
   response token (loss_mask), the clean token elsewhere, at its own position."""
@@ -223,7 +217,7 @@ def _two_stream(f: dict[str, Array], stream: dict[str, Array], block_size: int,
 
 
 def sequence_weights(target: Array, segment_ids: Array,
-                     normalization: str) -> tuple[Array, Array]:
+                     normalization: Normalization) -> tuple[Array, Array]:
   """Per-output weights and the loss denominator.
 
   target: bool[b, L]; segment_ids: int32[b, L] (contiguous runs, 0 = padding)
@@ -231,11 +225,8 @@ def sequence_weights(target: Array, segment_ids: Array,
      sum(weights * ce) / denom (see the module docstring).
   """
   t = target.astype(jnp.float32)
-  if normalization == "token":
+  if choices.check(Normalization, normalization, "normalization") == "token":
     return t, jnp.sum(t)
-  if normalization != "sequence":
-    raise ValueError(f"normalization={normalization!r}; expected one of "
-                     f"{list(NORMALIZATIONS)}.")
   length = target.shape[1]
   new_run = jnp.concatenate(
       [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
@@ -399,8 +390,8 @@ def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
 
 
 def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
-              mask_token_id: int, ar_weight: float = 1.0, intra_block: str = "causal",
-              normalization: str = "sequence", chunk_size: int | None = 256,
+              mask_token_id: int, ar_weight: float = 1.0, intra_block: IntraBlock = "causal",
+              normalization: Normalization = "sequence", chunk_size: int | None = 256,
               stream_length: int | None = None,
               runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """L = CE_mask + ar_weight * CE_AR from one two-stream pass (docs/design.md).
@@ -417,7 +408,7 @@ def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
 
 
 def ar_sft_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
-                normalization: str = "sequence", chunk_size: int | None = 256,
+                normalization: Normalization = "sequence", chunk_size: int | None = 256,
                 stream_length: int | None = None,
                 runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """Stage-1 AR SFT: causal CE on response tokens only. -> (loss, metrics)."""

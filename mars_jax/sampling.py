@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import batching, loop, rounds
 from mars_jax.decoding.batching import GenerateResult  # noqa: F401  (the result type)
 from mars_jax.decoding.loop import DecodeState
@@ -30,8 +31,8 @@ from mars_jax.window_policy import WindowPolicy
 def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | Sequence[int], mask_token_id: int,
                  eos_token_ids: int | Sequence[int], tau: float | Sequence[float] = 1.0,
-                 window: int = 1, metric: str | Sequence[str] = "probability",
-                 mode: str = "gated", runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+                 window: int = 1, metric: Metric | Sequence[Metric] = "probability",
+                 mode: Mode = "gated", runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """Buckets `prompts` and runs `loop.decode`; returns the final state (rows past
   len(prompts) are padding). Arguments as `generate`."""
   batching.check_prompts(config, prompts, max_new_tokens)
@@ -46,8 +47,8 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
 def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int], mask_token_id: int,
              eos_token_ids: int | Sequence[int], tau: float | Sequence[float] = 1.0,
-             window: int | str = 1, metric: str | Sequence[str] = "probability",
-             mode: str = "gated", policy: WindowPolicy | None = None,
+             window: int | str = 1, metric: Metric | Sequence[Metric] = "probability",
+             mode: Mode = "gated", policy: WindowPolicy | None = None,
              runtime: Runtime = DEFAULT_RUNTIME) -> GenerateResult:
   """Greedy AR (window=1), MARS, or lossless MARS decoding of a ragged batch of prompts.
 

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from mars_jax import gates
+from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import batching, loop, rounds, timing
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, WindowPolicy
@@ -49,7 +50,7 @@ class Request:
   prompt: tuple[int, ...]
   max_new_tokens: int
   tau: float
-  metric: str
+  metric: Metric
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +94,8 @@ class Server:
   def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,
                eos_token_ids: int | Sequence[int], batch_size: int = 8,
                min_batch_size: int | None = None, max_len: int = 512,
-               window: int | WindowPolicy | FixedWindow = 1, mode: str = "gated", tau: float = 1.0,
-               metric: str = "probability", prefill_chunk: int = 64,
+               window: int | WindowPolicy | FixedWindow = 1, mode: Mode = "gated", tau: float = 1.0,
+               metric: Metric = "probability", prefill_chunk: int = 64,
                round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, round_steps=round_steps))
@@ -133,7 +134,7 @@ class Server:
     return not self.queue and not self.active
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, tau: float | None = None,
-             metric: str | None = None) -> int:
+             metric: Metric | None = None) -> int:
     """Queues a request; -> its id. tau, metric default to the server's."""
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")

@@ -43,6 +43,7 @@ import dataclasses
 import ml_collections
 
 from mars_jax import data as data_lib
+from mars_jax.choices import Kind
 from mars_jax.models import qwen2
 from mars_jax.objective import ObjectiveConfig
 from mars_jax.optimizer import OptimizerConfig
@@ -143,7 +144,7 @@ def runtime(cfg) -> qwen2.Runtime:
                        scan_layers=m.scan_layers)
 
 
-def paper_config(*, model_dir: str, kind: str, fsdp: int, micro_batches: int,
+def paper_config(*, model_dir: str, kind: Kind, fsdp: int, micro_batches: int,
                  remat: str) -> ml_collections.ConfigDict:
   """The paper's recipe on a real Qwen2.5-Instruct or Qwen3 checkpoint: 5 epochs, lr 5e-6, warmup
   0.03 then cosine, effective batch 384, length 512, B=4, ar_weight 1; bfloat16 compute

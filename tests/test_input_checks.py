@@ -2,12 +2,13 @@
 
 import json
 import logging
+import re
 
 import jax
 import numpy as np
 import pytest
 
-from mars_jax import evaluate, loading, objective, sampling, serve
+from mars_jax import evaluate, loading, masks, objective, sampling, serve
 from mars_jax.decoding import batching
 from mars_jax.models.qwen2 import Qwen2Config, init_params
 
@@ -97,3 +98,26 @@ def test_window_check_skips_models_without_a_record(tmp_path, caplog):
       assert loading.trained_block_size(path) is None
       loading.warn_untrained_windows(path, [16])
   assert not caplog.records
+
+
+@pytest.mark.parametrize("call,field,allowed", [
+    (lambda: sampling.generate(CONFIG, None, [[1]], max_new_tokens=2, mask_token_id=MASK,
+                               eos_token_ids=2, window=2, mode="greedy"),
+     "mode", ["gated", "lossless"]),
+    (lambda: sampling.generate(CONFIG, None, [[1]], max_new_tokens=2, mask_token_id=MASK,
+                               eos_token_ids=2, window=2, metric="top1"),
+     "metric", ["probability", "margin", "entropy"]),
+    (lambda: objective.ObjectiveConfig(kind="dpo", mask_token_id=MASK),
+     "objective.kind", ["mars", "ar_sft"]),
+    (lambda: objective.ObjectiveConfig(mask_token_id=MASK, intra_block="full"),
+     "objective.intra_block", ["causal", "bidirectional"]),
+    (lambda: objective.ObjectiveConfig(mask_token_id=MASK, normalization="batch"),
+     "objective.normalization", ["sequence", "token"]),
+    (lambda: masks.two_stream_mask(8, 4, intra_block="full"),
+     "intra_block", ["causal", "bidirectional"]),
+])
+def test_choices_are_checked_with_one_message(call, field, allowed):
+  """Every named choice fails the same way: the field, the value, the allowed values."""
+  with pytest.raises(ValueError, match=re.escape(f"; expected one of {allowed}.")) as e:
+    call()
+  assert str(e.value).startswith(f"{field}=")

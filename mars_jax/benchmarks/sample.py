@@ -43,8 +43,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import evaluate, gates, hf, loading, sampling
+from mars_jax import choices, evaluate, gates, hf, loading, sampling
 from mars_jax.benchmarks import roofline, toy
+from mars_jax.choices import Mode
 from mars_jax.models import qwen2
 from mars_jax.models.config import PRESETS, Qwen2Config
 from mars_jax.window_policy import CostTable, WindowPolicy
@@ -57,7 +58,6 @@ SHAPES = {
                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                   tie_word_embeddings=True, rope_theta=10000.0),
 }
-MODES = ("gated", "lossless")
 
 
 def _ints(text: str) -> list[int]:
@@ -213,7 +213,7 @@ def load_transformers(config, params, directory: str, threads: int):
 def make_policies(args, windows: list[int]) -> dict[str, WindowPolicy]:
   """One policy per mode; cost tables from --costs files when present."""
   policies = {}
-  for mode in MODES:
+  for mode in choices.values(Mode):
     path = f"{args.costs}.{mode}.json" if args.costs else ""
     costs = CostTable.load(path) if path and os.path.isfile(path) else CostTable(
         meta={"model": args.model, "mode": mode, "backend": jax.default_backend()})

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mars_jax import masks, objective, optimizer, sharding, train_step
+from mars_jax.choices import Kind
 from mars_jax.models import qwen2
 
 MIB = 2 ** 20
@@ -164,7 +165,7 @@ def stream_length_of(batch: dict, block_size: int, length: int) -> int:
   return objective.fitting_stream_length(int(np.max(count)), block_size, length)
 
 
-def torch_step(model, batch: dict, *, kind: str, block_size: int, mask_token_id: int):
+def torch_step(model, batch: dict, *, kind: Kind, block_size: int, mask_token_id: int):
   """One PyTorch peer step (forward, backward, AdamW) as a closure, on `model`'s weights.
 
   AR-SFT: the causal pass with a padding mask. MARS: [clean | noisy] (2L positions),

@@ -15,13 +15,13 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from mars_jax import gates
+from mars_jax import choices, gates
+from mars_jax.choices import Metric, Mode
 from mars_jax.decoding.loop import DecodeState
 from mars_jax.models.qwen2 import Qwen2Config
 
 MIN_PROMPT_BUCKET = 8
 EOS_BUCKET = 8
-MODES = ("gated", "lossless")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +71,11 @@ def per_prompt(value, n: int, name: str, dtype) -> np.ndarray:
   return out
 
 
-def check_args(config: Qwen2Config, *, window: int, mode: str, mask_token_id: int) -> None:
+def check_args(config: Qwen2Config, *, window: int, mode: Mode, mask_token_id: int) -> None:
   """Raises ValueError on a window, mode or mask id the sampler rejects."""
   if window < 1:
     raise ValueError(f"window={window}; it must be >= 1 (1 is plain AR decoding).")
-  if mode not in MODES:
-    raise ValueError(f"mode={mode!r}; expected one of {list(MODES)}.")
+  choices.check(Mode, mode, "mode")
   if not 0 <= mask_token_id < config.vocab_size:
     raise ValueError(f"mask_token_id={mask_token_id} is outside the vocabulary "
                      f"(vocab_size {config.vocab_size}); use hf.load_tokenizer's id.")
@@ -137,7 +136,7 @@ class Bucket:
 
 def bucket(prompts: Sequence[Sequence[int]], rows: int, *, max_new_tokens,
            tau: float | Sequence[float] = 1.0,
-           metric: str | Sequence[str] = "probability") -> Bucket:
+           metric: Metric | Sequence[Metric] = "probability") -> Bucket:
   """n prompts in the first n of `rows` rows (rows >= n); max_new_tokens, tau, metric:
   one value, or one per prompt (as `sampling.generate`)."""
   n = len(prompts)

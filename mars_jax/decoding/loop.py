@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mars_jax import gates
+from mars_jax.choices import Mode
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
@@ -120,7 +121,7 @@ def _hidden(config: Qwen2Config, runtime: Runtime, params, tokens, positions, ca
 
 
 def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, eos_ids: Array,
-            mask_token_id: Array, *, real_slots: int, window: int, mode: str) -> DecodeState:
+            mask_token_id: Array, *, real_slots: int, window: int, mode: Mode) -> DecodeState:
   """One forward over `real_slots` pending-token slots plus `window-1` MASK slots.
 
   The pending tokens seq[cursor:length] of each sample, then (lossless) its
@@ -255,7 +256,7 @@ def regroup(state: DecodeState, rows: Array) -> DecodeState:
                    donate_argnames=("state",))
 def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
               mask_token_id: Array, max_steps: Array, stop_on_finish: Array, *,
-              window: int, real_slots: int, mode: str,
+              window: int, real_slots: int, mode: Mode,
               runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """Decoding steps on `state` until every row is done, `max_steps` forwards ran,
   or (stop_on_finish) some row finished; each step feeds up to `real_slots`
@@ -290,7 +291,7 @@ def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens:
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
-           mask_token_id: Array, *, window: int, mode: str, cache_len: int,
+           mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
            runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
   """Prefill, then the decoding loop until every sample is done.
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from mars_jax.choices import Mode
 from mars_jax.decoding import batching, loop, timing
 from mars_jax.decoding.batching import Bucket, GenerateResult
 from mars_jax.decoding.loop import DecodeState
@@ -41,7 +42,7 @@ def progress(state: DecodeState) -> Progress:
 
 
 def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
-              eos_ids: np.ndarray, mask_token_id: int, mode: str, measure: Measure | None,
+              eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
               before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
               stop_on_finish: bool = False, runtime: Runtime = DEFAULT_RUNTIME
               ) -> tuple[DecodeState, int, Progress]:
@@ -71,7 +72,7 @@ def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *
 
 
 def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
-                         policy: Policy, *, mask_token_id: int, eos_token_ids, mode: str,
+                         policy: Policy, *, mask_token_id: int, eos_token_ids, mode: Mode,
                          runtime: Runtime = DEFAULT_RUNTIME) -> GenerateResult:
   """`sampling.generate` of the first `n` rows of `prompts` with the window chosen by
   `policy` before every round.

@@ -8,13 +8,14 @@ import time
 import jax
 import numpy as np
 
+from mars_jax.choices import Mode
 from mars_jax.decoding import batching, loop
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import Measure
 
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
-                 mode: str, mask_token_id: int, steps: int = 32, repeats: int = 5,
+                 mode: Mode, mask_token_id: int, steps: int = 32, repeats: int = 5,
                  runtime: Runtime = DEFAULT_RUNTIME) -> float:
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode): `batch` rows decoding from a one-token prompt (tau 1), best of
@@ -35,7 +36,7 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   return best
 
 
-def measure_fn(config: Qwen2Config, params, *, mode: str, mask_token_id: int,
+def measure_fn(config: Qwen2Config, params, *, mode: Mode, mask_token_id: int,
                runtime: Runtime = DEFAULT_RUNTIME) -> Measure:
   """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
   it round-robin over the windows), for `WindowPolicy.choose`."""

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, abstract_params, relayout
+from mars_jax.train_step import TrainState
 
 LAYOUT_FILE = "layout.json"
 # Facts that change what a checkpoint means; a resumed run must agree on them.
@@ -85,8 +86,22 @@ def config_from_layout(layout: dict[str, Any]) -> tuple[Qwen2Config, Runtime]:
   return Qwen2Config.from_hf_dict(m, source=LAYOUT_FILE), runtime
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """A pytree of arrays or `jax.ShapeDtypeStruct`s -> `ShapeDtypeStruct`s of the same
+  shapes and dtypes carrying `shardings` (a matching pytree of `jax.sharding.Sharding`):
+  an orbax restore target that places each array as its sharding says."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
 class RunCheckpointer:
-  """Saves and restores (params, opt, data state) under RUN_DIR, async by default."""
+  """Saves and restores (params, opt, data state) under RUN_DIR, async by default.
+
+    ckpt = RunCheckpointer(run_dir, save_every=100)
+    state, data_state, start = ckpt.restore_or_init(abstract, shardings, init)
+    ckpt.save(step, state.params, {"step": state.step, "opt_state": state.opt_state},
+              iterator.get_state())
+  """
 
   def __init__(self, run_dir: str, *, max_to_keep: int = 3, save_every: int = 1000,
                async_save: bool = True):
@@ -120,11 +135,18 @@ class RunCheckpointer:
     return self.manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt)), force=True)
 
-  def restore(self, step: int, abstract_params: Any, abstract_opt: Any) -> tuple[Any, Any, Any]:
-    """Restores `step` into the given shardings -> (params, opt, this process's data state)."""
+  def restore(self, step: int, abstract: TrainState, shardings: TrainState
+              ) -> tuple[TrainState, Any]:
+    """Restores `step` -> (TrainState placed in `shardings`, this process's data state).
+
+    `abstract`: the run's `TrainState` of `jax.ShapeDtypeStruct`s (see
+    `train_step.abstract_train_state`); `shardings`: a matching `TrainState` of
+    `jax.sharding.Sharding`s (see `train_step.train_state_shardings`).
+    """
+    target = with_shardings(abstract, shardings)
     out = self.manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params),
-        opt=ocp.args.StandardRestore(abstract_opt)))
+        params=ocp.args.StandardRestore(target.params),
+        opt=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state})))
     path = self._data_path(step)
     written = len(os.listdir(os.path.dirname(path))) if os.path.isdir(
         os.path.dirname(path)) else 0
@@ -136,7 +158,23 @@ class RunCheckpointer:
           "this run with model.init=<run dir>.")
     with open(path) as f:
       data_state = json.load(f)
-    return out.params, out.opt, data_state
+    state = TrainState(step=out.opt["step"], params=out.params,
+                       opt_state=out.opt["opt_state"])
+    return state, data_state
+
+  def restore_or_init(self, abstract: TrainState, shardings: TrainState,
+                      init: Callable[[], TrainState]) -> tuple[TrainState, Any, int]:
+    """The run's state: its latest step restored, else `init()` (a step-0 state in
+    `shardings`, e.g. from `train_step.init_train_state`).
+
+    -> (TrainState placed in `shardings`, this process's data-iterator state or None
+    when initialised, the step it is at). `abstract`, `shardings`: see `restore`.
+    """
+    step = self.latest_step()
+    if step is None:
+      return init(), None, 0
+    state, data_state = self.restore(step, abstract, shardings)
+    return state, data_state, step
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -181,8 +219,7 @@ def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = N
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree.map(lambda _: device, abstract)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, shardings)
+  abstract = with_shardings(abstract, shardings)
   with ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), item_names=("params",),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
     out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))

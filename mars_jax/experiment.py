@@ -6,10 +6,14 @@ Runs the optional AR-SFT stage 1 (WORKDIR/stage1) and the main stage (WORKDIR, o
 WORKDIR/stage2 after a stage 1), resuming each from its latest checkpoint; then,
 if asked, evaluates on the synthetic test split and exports the final weights to
 WORKDIR/hf. Every process calls it. Fields: see mars_jax/train_config.py.
+
+Progress and notices go to Python logging (INFO; `python -m mars_jax.train` shows
+them on stderr); the final evaluation's accuracy tables, a result, are printed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -19,6 +23,8 @@ from mars_jax import evaluate, hf, train_config, trainer
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.tokenizer import BUILDERS
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model
+
+_LOG = logging.getLogger(__name__)
 
 
 def _model_and_tokenizer(cfg, runtime):
@@ -78,13 +84,13 @@ def run(cfg, workdir: str) -> dict:
                                "final": res.history[-1] if res.history else None}
     if jax.process_index() == 0 and res.history:
       last = res.history[-1]
-      print(f"[{name}] {stage_cfg.objective.kind}: step {last['step']} loss "
-            f"{last['loss']:.4f}" + (f" eval_loss {last['eval_loss']:.4f}"
-                                     if "eval_loss" in last else "")
-            + f" ({res.wall_s:.0f}s)", flush=True)
+      _LOG.info("[%s] %s: step %d loss %.4f%s (%.0fs)", name, stage_cfg.objective.kind,
+                last["step"], last["loss"],
+                f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else "",
+                res.wall_s)
     if not res.finished:
-      print(f"[{name}] stopped at train.stop_at_step={cfg.train.stop_at_step}; rerun "
-            "without it (or with a later step) to resume.", flush=True)
+      _LOG.info("[%s] stopped at train.stop_at_step=%s; rerun without it (or with a later "
+                "step) to resume.", name, cfg.train.stop_at_step)
       summary["stopped"] = True
       return summary
   if cfg.final_eval.num_problems > 0:
@@ -105,7 +111,7 @@ def run(cfg, workdir: str) -> dict:
       # `python -m mars_jax.evaluate --model WORKDIR/hf` draws its problems with
       synthetic.save_task_settings(out, _task_record(cfg, summary["stages"][stages[-1][0]][
           "run_dir"]))
-      print(f"exported the final weights to {out}", flush=True)
+      _LOG.info("exported the final weights to %s", out)
     summary["export"] = out
   return summary
 

@@ -13,11 +13,15 @@ The held-out problems are the synthetic test split drawn with each run's recorde
 settings (its task.json: difficulty, split seed, test fraction; the study config's
 data.synthetic for a run with no record), so every model is scored on the distribution
 it trained on; a reused parent whose record differs from the study's is named.
+
+Progress goes to Python logging (INFO, on stderr under this CLI); each run's results
+table is printed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +36,8 @@ from mars_jax.loading import load_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "study config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "study directory")
+# Not __name__ ("__main__" under `python -m`): a child of the "mars_jax" logger set to INFO.
+_LOG = logging.getLogger("mars_jax.study")
 
 # name -> (objective.kind, block_size, ar_weight, intra_block); the parent is "parent".
 VARIANTS = {
@@ -98,8 +104,8 @@ def run_study(cfg, workdir: str) -> dict:
     record = synthetic.load_task_settings(run_dir)
     split = split_settings(record) if record else study_split
     if split != study_split:
-      print(f"[{name}] note: {run_dir} trained on synthetic {split}, not the study's "
-            f"{study_split}; evaluated on its own.", flush=True)
+      _LOG.info("[%s] note: %s trained on synthetic %s, not the study's %s; evaluated on "
+                "its own.", name, run_dir, split, study_split)
     key = tuple(sorted(split.items()))
     if key not in problem_sets:
       problem_sets[key] = evaluate.load_problems("synthetic", cfg.study.num_problems, **split)
@@ -178,7 +184,8 @@ def write_report(cfg, results: dict, path: str, command: str) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  absl_logging.set_verbosity(absl_logging.WARNING)
+  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
+  logging.getLogger("mars_jax").setLevel(logging.INFO)  # progress, via absl's handler to stderr
   cfg = _CONFIG.value
   results = run_study(cfg, _WORKDIR.value)
   write_report(cfg, results, cfg.study.report, "python -m mars_jax.study " + " ".join(

@@ -19,6 +19,8 @@ from mars_jax import distributed, experiment
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, export)")
+# Not __name__ ("__main__" under `python -m`): a child of the "mars_jax" logger set to INFO.
+_LOG = logging.getLogger("mars_jax.train")
 
 
 def main(argv) -> None:
@@ -28,14 +30,14 @@ def main(argv) -> None:
     raise app.UsageError("--workdir is required")
   cfg = _CONFIG.value
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
-  logging.getLogger("mars_jax").setLevel(logging.INFO)
+  logging.getLogger("mars_jax").setLevel(logging.INFO)  # progress, via absl's handler to stderr
   d = cfg.distributed
   plan = distributed.plan_from_env(os.environ, coordinator_address=d.coordinator_address,
                                    num_processes=d.num_processes, process_id=d.process_id,
                                    port=d.port)
   distributed.initialize(plan)
   distributed.assert_same_config(distributed.config_fingerprint(cfg))
-  print(distributed.env_summary(), flush=True)
+  _LOG.info("%s", distributed.env_summary())
   experiment.run(cfg, _WORKDIR.value)
 
 

@@ -5,7 +5,8 @@
 
 Resumes from the latest complete checkpoint in `run_dir` (params, optimizer state,
 step, data-iterator state); a finished stage returns at once. Every process calls
-it; process 0 alone prints, logs and writes files other than checkpoints.
+it; process 0 alone logs (to the `mars_jax.trainer` logger: INFO progress, WARNING
+problems) and writes files other than checkpoints.
 
 Eval loss: every `train.eval_every` steps (on a log step) over the first
 `train.eval_batches` global batches of the data's eval set. It is off, with a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -31,6 +33,8 @@ from mars_jax import train_step as ts
 from mars_jax.data import load_data, pad_example, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.optimizer import make_optimizer, make_schedule
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -101,7 +105,7 @@ def held_out_batches(cfg, data, name: str, *, shard_index: int,
     if shard_index == 0:
       how = ("data.synthetic.num_test" if data.config["source"] == "synthetic" else
              "data.num_eval=N to hold out N records of data.source, or data.eval_source")
-      print(f"[{name}] no eval set: training without eval loss (set {how}).", flush=True)
+      _LOG.info("[%s] no eval set: training without eval loss (set %s).", name, how)
     return []
   try:
     batches = data.eval_batches(batch_size=cfg.train.batch_size, shard_index=shard_index,
@@ -133,7 +137,7 @@ def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
     n = objective_lib.fitting_stream_length(longest, block, length)
     why = f"the longest example's target blocks: {longest}"
   if verbose:
-    print(f"[{name}] target stream: {n} of {length} positions per row ({why})", flush=True)
+    _LOG.info("[%s] target stream: %s of %s positions per row (%s)", name, n, length, why)
   return int(n)
 
 
@@ -169,7 +173,8 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   nproc, pid = jax.process_count(), jax.process_index()
   data = load_data(cfg.data, tokenizer)
   if pid == 0:
-    print(f"[{os.path.basename(run_dir)}] {data.stats.summary()}", flush=True)  # starts "data:"
+    log = _LOG.warning if data.stats.bad else _LOG.info
+    log("[%s] %s", os.path.basename(run_dir), data.stats.summary())  # starts "data:"
   batch_size = cfg.train.batch_size
   eval_batches = held_out_batches(cfg, data, os.path.basename(run_dir), shard_index=pid,
                                   shard_count=nproc)
@@ -197,23 +202,15 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
                                     save_every=cfg.train.checkpoint_every,
                                     async_save=cfg.train.async_checkpoint)
   it = data.train_iterator(batch_size=batch_size, shard_index=pid, shard_count=nproc)
-  shardings = ts.train_state_shardings(model_config, tx, mesh, runtime=runtime)
-  start = ckpt.latest_step()
-  if start is not None:
-    abstract = ts.abstract_train_state(model_config, tx, runtime=runtime)
-    with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
-    params, opt, data_state = ckpt.restore(
-        start, jax.tree.map(with_sharding, abstract.params, shardings.params),
-        {"step": with_sharding(abstract.step, shardings.step),
-         "opt_state": jax.tree.map(with_sharding, abstract.opt_state, shardings.opt_state)})
-    state = ts.TrainState(step=opt["step"], params=params, opt_state=opt["opt_state"])
+  state, data_state, start = ckpt.restore_or_init(
+      ts.abstract_train_state(model_config, tx, runtime=runtime),
+      ts.train_state_shardings(model_config, tx, mesh, runtime=runtime),
+      lambda: ts.init_train_state(model_config, tx, mesh, params=init_params,
+                                  rng=jax.random.key(cfg.train.seed), runtime=runtime))
+  if data_state is not None:
     it.set_state(data_state)
     if pid == 0:
-      print(f"resumed {run_dir} from step {start}", flush=True)
-  else:
-    start = 0
-    state = ts.init_train_state(model_config, tx, mesh, params=init_params,
-                                rng=jax.random.key(cfg.train.seed), runtime=runtime)
+      _LOG.info("resumed %s from step %d", run_dir, start)
   writer = MetricsWriter(run_dir)
   history = []
   bar = tqdm(total=total, initial=start, desc=os.path.basename(run_dir), unit="step",
@@ -247,9 +244,9 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
     writer.close()
     ckpt.close()
   if pid == 0 and history and history[-1]["rows_cut"]:
-    print(f"[{os.path.basename(run_dir)}] warning: {history[-1]['rows_cut']:.0f} rows in "
-          f"this invocation had more target-block positions than the target stream's "
-          f"{stream}; their targets past it were not trained on (raise "
-          "objective.stream_length, or leave it unset to fit the data).", flush=True)
+    _LOG.warning("[%s] warning: %.0f rows in this invocation had more target-block positions "
+                 "than the target stream's %s; their targets past it were not trained on "
+                 "(raise objective.stream_length, or leave it unset to fit the data).",
+                 os.path.basename(run_dir), history[-1]["rows_cut"], stream)
   return StageResult(config=model_config, params=state.params, history=history,
                      wall_s=time.time() - t0, finished=end == total)

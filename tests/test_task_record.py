@@ -3,6 +3,7 @@ run directory and HF export) decide the problems of the final eval and the evalu
 
 import importlib.util
 import json
+import logging
 import os
 import shlex
 
@@ -46,14 +47,17 @@ class _Captured:
     monkeypatch.setattr(evaluate, "sweep", sweep)
 
 
-def test_record_round_trip_and_errors(tmp_path, capsys):
+def test_record_round_trip_and_errors(tmp_path, caplog):
   assert synthetic.load_task_settings(str(tmp_path)) is None
   synthetic.save_task_settings(str(tmp_path), _record())
   assert synthetic.load_task_settings(str(tmp_path)) == _record()
-  # the trainer's write keeps a resumed run's record and says what differs
-  kept = synthetic.record_task_settings(str(tmp_path), _record(difficulty="standard"))
+  # the trainer's write keeps a resumed run's record and warns what differs
+  with caplog.at_level(logging.WARNING, logger="mars_jax.data.synthetic"):
+    kept = synthetic.record_task_settings(str(tmp_path), _record(difficulty="standard"))
   assert kept == _record() and synthetic.load_task_settings(str(tmp_path)) == _record()
-  assert "difficulty: recorded 'easy', config 'standard'" in capsys.readouterr().out
+  [record] = caplog.records
+  assert record.levelno == logging.WARNING
+  assert "difficulty: recorded 'easy', config 'standard'" in record.getMessage()
   (tmp_path / "task.json").write_text(json.dumps(_record(difficulty="hard")))
   with pytest.raises(ValueError, match=r"task.json: invalid synthetic settings: difficulty"):
     synthetic.load_task_settings(str(tmp_path))

@@ -303,7 +303,6 @@ def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
                           max_length=cfg["max_length"], truncate=cfg["truncate"])
   data = ChatData(config=cfg, train=tok(train), eval=tok(held) if held else None,
                   stats=stats, pad_id=pad_id_of(tokenizer))
-  (_LOG.warning if stats.bad else _LOG.info)(stats.summary())
   if not len(data.train):
     raise ValueError(f"no training examples left in {cfg['source']!r}.\n{stats.summary()}")
   return data

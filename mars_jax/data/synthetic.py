@@ -25,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 from typing import Any, Callable, Mapping
+
+_LOG = logging.getLogger(__name__)
 
 SPLITS = ("train", "test")
 NAMES = ("Ann", "Bob", "Cal", "Dan", "Eve", "Fay", "Gus", "Ida", "Jim", "Kim", "Leo",
@@ -230,7 +233,7 @@ def save_task_settings(directory: str, settings: Mapping[str, Any]) -> str:
 def record_task_settings(directory: str, settings: Mapping[str, Any]) -> dict:
   """The trainer's write: saves `settings` to DIRECTORY/task.json unless a record is
   already there (a resumed or reused run keeps what it started on; a differing split
-  setting is printed as a warning). -> the record in effect."""
+  setting is logged as a warning). -> the record in effect."""
   old = load_task_settings(directory)
   if old is None:
     save_task_settings(directory, settings)
@@ -240,8 +243,8 @@ def record_task_settings(directory: str, settings: Mapping[str, Any]) -> dict:
   if old["source"] != settings["source"]:
     diffs.insert(0, f"source: recorded {old['source']!r}, config {settings['source']!r}")
   if diffs:
-    print(f"warning: {os.path.join(directory, TASK_FILE)} keeps the data settings this run "
-          f"started on ({'; '.join(diffs)}); evaluation uses the record.", flush=True)
+    _LOG.warning("warning: %s keeps the data settings this run started on (%s); evaluation "
+                 "uses the record.", os.path.join(directory, TASK_FILE), "; ".join(diffs))
   return old
 
 

@@ -6,18 +6,25 @@ The mesh has three axes:
   fsdp     batch split and params sharded on their `embed` axis (ZeRO-3 style)
   tensor   Megatron-style: heads, kv_heads, mlp and vocab split
 
-Weights carry logical axis names (see `mars_jax.models.qwen2`); the ordered table
-`LOGICAL_AXIS_RULES` maps them to mesh axes (for each array dimension the first
-rule whose mesh axis is still free wins). A dimension that its mesh axes do not
-divide (e.g. 2 kv heads on tensor=4) stays replicated. Shardings are derived from
-`jax.eval_shape` of the init, so nothing is allocated to compute them.
+Weights and activations carry logical axis names (see `mars_jax.models.qwen2`); the
+ordered table `LOGICAL_AXIS_RULES` maps them to mesh axes (for each array dimension
+the first rule whose mesh axis is still free wins). A dimension that its mesh axes
+do not divide (e.g. 2 kv heads on tensor=4) stays replicated. Shardings of weights
+are derived from `jax.eval_shape` of the init, so nothing is allocated to compute
+them; activations are pinned while the model is traced under `activation_sharding`
+(the train and eval steps do that), and left to the compiler elsewhere:
+
+  activation_batch                            data, fsdp
+  activation_heads, _kv_heads, _mlp, _vocab   tensor
+  activation_length, activation_embed         replicated
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -25,6 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mars_jax.models import qwen2
+from mars_jax.models.qwen2 import fit_spec  # noqa: F401  (re-exported)
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -40,6 +48,13 @@ LOGICAL_AXIS_RULES: Rules = (
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
+    ("activation_batch", BATCH_AXES),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("activation_length", None),
+    ("activation_embed", None),
 )
 
 
@@ -75,16 +90,6 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[Any] | None =
   shape = config.shape(len(devices))
   return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
                        devices=devices)
-
-
-def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
-  """`spec` with the mesh axes of any dimension they do not divide dropped (replicated)."""
-  out = []
-  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    size = math.prod(mesh.shape[a] for a in names)
-    out.append(axes if names and dim % size == 0 else None)
-  return P(*out)
 
 
 def logical_shardings(logical: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
@@ -125,6 +130,15 @@ def num_batch_shards(batch: NamedSharding) -> int:
   axes = batch.spec[0] if batch.spec else None
   names = (axes,) if isinstance(axes, str) else tuple(axes or ())
   return math.prod(batch.mesh.shape[a] for a in names)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Iterator[None]:
+  """Binds `mesh` (as the abstract mesh) and `rules`, so that the model traced inside
+  pins its activations (`qwen2.constrain`). Enter it inside the jitted function, where
+  the model is traced: jit does not key its cache on the rules."""
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+    yield
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

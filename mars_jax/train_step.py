@@ -9,7 +9,8 @@
 
 Params are the master copy in `runtime.param_dtype` (float32 by default); the
 forward runs in `runtime.dtype` (e.g. "bfloat16", weights cast per use) with the
-rematerialisation policy `runtime.remat`. The step is
+rematerialisation policy `runtime.remat`, its activations pinned to the mesh by the
+logical axis rules (`sharding.activation_sharding`). The step is
 `jax.jit(in_shardings=(state, batch), out_shardings=(state, replicated metrics),
 donate_argnums=0)`: the state passed in is consumed.
 """
@@ -156,9 +157,10 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
           f"batch size {rows} must be divisible by micro_batches ({micro_batches}) x "
           f"the batch's device split ({batch_shards}: data x fsdp), so that every "
           "micro-batch splits over the devices.")
-    grads, sums = loss_and_grads(model_config, objective, state.params, batch,
-                                 micro_batches=micro_batches,
-                                 micro_batch_sharding=batch_shardings, runtime=runtime)
+    with sharding.activation_sharding(mesh, rules):
+      grads, sums = loss_and_grads(model_config, objective, state.params, batch,
+                                   micro_batches=micro_batches,
+                                   micro_batch_sharding=batch_shardings, runtime=runtime)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     _, metrics = objective_lib.finalize(sums)
@@ -184,8 +186,9 @@ def make_eval_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   params_sharding = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
 
   def evaluate(params, batch):
-    return objective_lib.objective_sums(model_config, params, batch, objective,
-                                        runtime=runtime)
+    with sharding.activation_sharding(mesh, rules):
+      return objective_lib.objective_sums(model_config, params, batch, objective,
+                                          runtime=runtime)
 
   return jax.jit(evaluate,
                  in_shardings=(params_sharding, sharding.batch_sharding(mesh, rules)),

@@ -10,7 +10,7 @@ import pytest
 
 from mars_jax import evaluate, loading, masks, objective, sampling, serve
 from mars_jax.decoding import batching
-from mars_jax.models.qwen2 import Qwen2Config, init_params
+from mars_jax.models.qwen2 import Qwen2Config, Runtime, init_params
 
 CONFIG = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=None,
@@ -115,6 +115,10 @@ def test_window_check_skips_models_without_a_record(tmp_path, caplog):
      "objective.normalization", ["sequence", "token"]),
     (lambda: masks.two_stream_mask(8, 4, intra_block="full"),
      "intra_block", ["causal", "bidirectional"]),
+    (lambda: Runtime(remat="some"), "remat",
+     ["none", "full", "dots", "dots_with_no_batch_dims", "names"]),
+    (lambda: Runtime(attention_impl="flash"), "attention_impl",
+     ["xla", "dot_product_attention", "cudnn"]),
 ])
 def test_choices_are_checked_with_one_message(call, field, allowed):
   """Every named choice fails the same way: the field, the value, the allowed values."""

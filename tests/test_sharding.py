@@ -1,12 +1,15 @@
-"""Mesh, shardings and the train step: sharded == single device, accumulated == full batch.
+"""Mesh, shardings and the train step: sharded == single device, accumulated == full batch,
+activation constraints and named remat checkpoints.
 
 The 8-device comparison runs this file as a subprocess with
 `--xla_force_host_platform_device_count=8`: the device count is fixed when a
 process first touches its CPU backend, which the rest of the test session does.
+The (data=2, tensor=2) comparison of loss and gradients runs there on 4 of them.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -72,6 +75,39 @@ def make_tx(total_steps=3):
       eps=1e-3))
 
 
+def loss_and_grads_fn(config, obj, mesh):
+  """Jitted (params, batch) -> (loss, grads) on `mesh`, activations pinned by the rules."""
+  def loss_and_grads(params, batch):
+    with sharding.activation_sharding(mesh):
+      grads, sums = train_step.loss_and_grads(config, obj, params, batch)
+    return objective.finalize(sums)[0], grads
+
+  return jax.jit(loss_and_grads, in_shardings=(sharding.param_shardings(config, mesh),
+                                               sharding.batch_sharding(mesh)))
+
+
+def sharding_constraints(lowered_text):
+  """Distinct sharding constraints of a lowered module: '<@mesh, [dims]> : tensor<shape>'."""
+  return sorted(set(re.findall(r"sdy\.sharding_constraint %\S+ (<.*)", lowered_text)))
+
+
+def tensor_parallel_vs_single_device():
+  """Child process body, on 4 devices: MARS loss and gradients of a (data=2, tensor=2) mesh
+  vs one device, and the sharding constraints of the lowered (data=2, tensor=2) function."""
+  config, batch = tiny_config(), packed_batch(rows=8)
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(4)))
+  obj = objective.ObjectiveConfig(kind="mars", block_size=4, mask_token_id=MASK)
+  one = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  mesh = sharding.make_mesh(sharding.MeshConfig(2, 1, 2), jax.devices()[:4])
+  ref_loss, ref_grads = jax.device_get(loss_and_grads_fn(config, obj, one)(params, batch))
+  fn = loss_and_grads_fn(config, obj, mesh)
+  loss, grads = jax.device_get(fn(params, batch))
+  return dict(loss_diff=abs(float(loss) - float(ref_loss)),
+              grad_diff=max_tree_diff(grads, ref_grads),
+              grad_max=max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads)),
+              constraints=sharding_constraints(fn.lower(params, batch).as_text()))
+
+
 def sharded_vs_single_device():
   """Child process body (8 CPU devices): max differences of every layout vs 1 device."""
   config, tx, batch = tiny_config(), make_tx(), packed_batch()
@@ -102,6 +138,7 @@ def sharded_vs_single_device():
       q_kernel=str(shardings["layers"]["attn"]["q_kernel"].spec),
       k_kernel=str(shardings["layers"]["attn"]["k_kernel"].spec),
       embedding=str(shardings["embedding"].spec))
+  out["tensor_parallel"] = tensor_parallel_vs_single_device()
   return out
 
 
@@ -154,6 +191,30 @@ def test_eval_step_sums_add_up_to_the_loss_of_the_whole_set():
   whole, _ = jax.jit(lambda p: objective.mars_loss(config, p, batch, block_size=4,
                                                    mask_token_id=MASK))(params)
   assert abs(float(loss) - float(whole)) < TOL
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_named_remat_equals_no_remat_and_saves_the_named_values(scan, capsys):
+  """remat="names": the loss and gradients of remat="none"; unrolled, the residuals the
+  backward pass keeps from the layers are exactly the named checkpoints of each layer."""
+  config, batch = tiny_config(), packed_batch(rows=4)
+  params = qwen2.relayout(qwen2.init_params(config, jax.random.key(5)),
+                          qwen2.Runtime(scan_layers=scan))
+
+  def loss_fn(remat):
+    runtime = qwen2.Runtime(remat=remat, scan_layers=scan)
+    return lambda p: objective.mars_loss(config, p, batch, block_size=4, mask_token_id=MASK,
+                                         runtime=runtime)[0]
+
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn("none")))(params)
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn("names")))(params)
+  assert abs(float(loss) - float(ref_loss)) < TOL
+  assert max_tree_diff(grads, ref_grads) < TOL
+  if not scan:  # under scan, residuals leave the loop stacked and unnamed
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(loss_fn("names"), params)
+    names = re.findall(r"named '(\w+)'", capsys.readouterr().out)
+    assert sorted(names) == sorted(qwen2.CHECKPOINT_NAMES * config.num_hidden_layers)
 
 
 def test_mesh_config_fills_and_rejects():
@@ -258,6 +319,24 @@ def test_72b_params_shard_over_fsdp_and_tensor(eight_devices):
   assert big["q_kernel"] == str(P(None, "fsdp", "tensor", None))
   assert big["k_kernel"] == str(P(None, "fsdp", "tensor", None))
   assert big["embedding"] == str(P("tensor", "fsdp"))
+
+
+def test_tensor_parallel_activations_equal_single_device(eight_devices):
+  """(data=2, tensor=2) on 4 devices: the loss and gradients of one device, and the lowered
+  function pins the residual stream (batch split) and the q/k/v heads, the MLP hidden and
+  the logits (batch and tensor split)."""
+  tp = eight_devices["tensor_parallel"]
+  assert tp["grad_max"] > 1e-3, tp  # the gradients are not trivially zero
+  assert tp["loss_diff"] < TOL and tp["grad_diff"] < TOL, tp
+  c = tiny_config()
+  split = '<@mesh, [{"data", "fsdp"}, {}, {"tensor"}'
+  for tail in (f"x{c.num_attention_heads}x{c.head_dim}xf32>",
+               f"x{c.num_key_value_heads}x{c.head_dim}xf32>",
+               f"x{c.intermediate_size}xf32>", f"x{c.vocab_size}xf32>"):
+    assert any(s.startswith(split) and s.endswith(tail) for s in tp["constraints"]), (
+        tail, tp["constraints"])
+  assert any(s.startswith('<@mesh, [{"data", "fsdp"}, {}, {}]>')
+             and s.endswith(f"x{c.hidden_size}xf32>") for s in tp["constraints"]), tp
 
 
 if __name__ == "__main__":

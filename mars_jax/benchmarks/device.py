@@ -45,9 +45,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import objective, optimizer, sampling, sharding
+from mars_jax import choices, objective, optimizer, sampling, sharding
 from mars_jax.benchmarks import sample, step, toy
 from mars_jax.benchmarks.roofline import forward_bytes
+from mars_jax.choices import AttentionImpl, Remat
 from mars_jax.decoding import batching, timing
 from mars_jax.models import qwen2
 from mars_jax.models.config import Qwen2Config
@@ -513,10 +514,8 @@ def parse_args(argv):
                  help="the chip's dense bf16 TFLOP/s (default: DEVICE_PEAKS by device kind)")
   p.add_argument("--hbm-tbps", type=float, default=None,
                  help="the chip's HBM bandwidth in TB/s (default: DEVICE_PEAKS)")
-  p.add_argument("--attention-impl", default="xla", choices=["xla", "dot_product_attention",
-                                                             "cudnn"])
-  p.add_argument("--remat", default="none", choices=["none", "full", "dots",
-                                                     "dots_with_no_batch_dims"],
+  p.add_argument("--attention-impl", default="xla", choices=choices.values(AttentionImpl))
+  p.add_argument("--remat", default="none", choices=choices.values(Remat),
                  help="train section only")
   p.add_argument("--batch-sizes", default="", help="decode section (default 1,4,16,64)")
   args = p.parse_args(argv)

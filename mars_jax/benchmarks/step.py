@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import masks, objective, optimizer, sharding, train_step
-from mars_jax.choices import Kind
+from mars_jax import choices, masks, objective, optimizer, sharding, train_step
+from mars_jax.choices import Kind, Remat
 from mars_jax.models import qwen2
 
 MIB = 2 ** 20
@@ -58,8 +58,7 @@ def parse_args(argv):
                  "default (configs/tiny.py's model, batch, length and task)")
   g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="compute dtype (params stay float32)")
-  g.add_argument("--remat", default="none", choices=["none", "full", "dots",
-                                                     "dots_with_no_batch_dims"])
+  g.add_argument("--remat", default="none", choices=choices.values(Remat))
   g.add_argument("--chunk-size", type=int, default=256,
                  help="sequence positions per cross-entropy chunk")
   g.add_argument("--steps", type=int, default=3, help="timed steps per round")

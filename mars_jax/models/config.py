@@ -22,8 +22,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLS = ("xla", "dot_product_attention", "cudnn")
-REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+from mars_jax import choices
+from mars_jax.choices import AttentionImpl, Remat
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -240,22 +241,25 @@ class Runtime:
   attention_impl: "xla" (plain einsum), "dot_product_attention"
     (`jax.nn.dot_product_attention`, backend chosen by JAX) or "cudnn" (the fused
     cuDNN kernel on GPU).
-  remat: rematerialisation policy of each decoder layer.
+  remat: rematerialisation policy of each decoder layer: "none", "full" (save
+    nothing), "dots", "dots_with_no_batch_dims" (JAX's matmul policies) or "names"
+    (save the model's named checkpoints, `qwen2.CHECKPOINT_NAMES`).
   scan_layers: layers stacked on a leading axis under `nn.scan` (the params tree
     then holds `layers/...`; unrolled it holds `layers_0 .. layers_{L-1}`).
   """
 
   param_dtype: str = "float32"
   dtype: str = "float32"
-  attention_impl: str = "xla"
-  remat: str = "none"
+  attention_impl: AttentionImpl = "xla"
+  remat: Remat = "none"
   scan_layers: bool = True
 
   def __post_init__(self):
-    for name, allowed in (("param_dtype", DTYPES), ("dtype", DTYPES),
-                          ("attention_impl", ATTENTION_IMPLS), ("remat", REMAT_POLICIES)):
-      if getattr(self, name) not in allowed:
-        raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(allowed)}.")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(DTYPES)}.")
+    choices.check(AttentionImpl, self.attention_impl, "attention_impl")
+    choices.check(Remat, self.remat, "remat")
 
   @property
   def jnp_param_dtype(self):

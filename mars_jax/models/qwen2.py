@@ -29,6 +29,25 @@ Every weight carries logical axis names (`layers`, `vocab`, `embed`, `heads`,
 Without scan (`runtime.scan_layers=False`) the layers are `layers_0 .. layers_{L-1}`
 with the same leaves minus the leading axis.
 
+Activations carry logical axis names too (`activation_batch`, `activation_length`,
+`activation_embed`, `activation_heads`, `activation_kv_heads`, `activation_mlp`,
+`activation_vocab`; head_dim is never split), pinned with `constrain`: a no-op unless
+the model is traced under `mars_jax.sharding.activation_sharding`, which binds a mesh
+and the rules (unit tests, the sampler and decoding run without one):
+
+  residual stream, final hidden   [b, t, embed]               EMBED_AXES
+  queries, attention output       [b, t, heads, head_dim]     HEADS_AXES
+  keys, values                    [b, t, kv_heads, head_dim]  KV_HEADS_AXES
+  MLP hidden silu(gate) * up      [b, t, mlp]                 MLP_AXES
+  logits                          [b, t, vocab]               VOCAB_AXES
+
+Named checkpoints (`jax.ad_checkpoint.checkpoint_name`, `CHECKPOINT_NAMES`) tag the
+values a remat policy may keep: "query", "key" (after the Qwen3 norm and RoPE),
+"value", "attn_out" (attention before the output projection) and "mlp_hidden".
+`runtime.remat` picks the policy of each decoder layer (`_REMAT`): "none" (no remat),
+"full" (save nothing), "dots" / "dots_with_no_batch_dims" (JAX's matmul policies) or
+"names" (save exactly the named checkpoints, recompute the rest).
+
 KV cache (see `init_cache`): `{"k", "v"}: [L, b, kv_heads, max_len, head_dim]` (each
 kv head's slots contiguous: the attention reads the cache in the layout it is stored).
 A cached call writes the new K/V of token `j` of sample `i` at cache slot
@@ -42,12 +61,15 @@ query attend to the cache slots its mask row allows:
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
     DEFAULT_RUNTIME, PRESETS, Qwen2Config, Runtime, preset, scan_layers_of)
@@ -56,11 +78,41 @@ Array = jax.Array
 Cache = dict[str, Array]
 CACHE_CHUNK = 64  # cache slots `cached_attention` reads per block
 
+EMBED_AXES = ("activation_batch", "activation_length", "activation_embed")
+HEADS_AXES = ("activation_batch", "activation_length", "activation_heads", None)
+KV_HEADS_AXES = ("activation_batch", "activation_length", "activation_kv_heads", None)
+MLP_AXES = ("activation_batch", "activation_length", "activation_mlp")
+VOCAB_AXES = ("activation_batch", "activation_length", "activation_vocab")
+CHECKPOINT_NAMES = ("query", "key", "value", "attn_out", "mlp_hidden")
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "names": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
 }
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh: Any) -> P:
+  """`spec` with the mesh axes of any dimension they do not divide dropped (replicated).
+  mesh: a `Mesh` or `AbstractMesh`."""
+  out = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size = math.prod(mesh.shape[a] for a in names)
+    out.append(axes if names and dim % size == 0 else None)
+  return P(*out)
+
+
+def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+  """x: [...] pinned to the mesh axes its logical `axes` (one per dimension) map to under
+  the bound `nn.logical_axis_rules` on the abstract mesh in context; x itself when either
+  is missing. A dimension its mesh axes do not divide stays replicated, as in the weights."""
+  rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty:
+    return x
+  spec = fit_spec(nn.logical_to_mesh_axes(axes, rules), x.shape, mesh)
+  return jax.lax.with_sharding_constraint(x, spec)
 
 
 def dense(x: Array, kernel: Array, in_dims: int = 1) -> Array:
@@ -222,9 +274,14 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x, cos, sin, mask, layer=None, cache=None, write_index=None):
     c, rt = self.config, self.runtime
-    q = self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin)
-    k = self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin)
-    v = self._proj(x, "v", c.num_key_value_heads, "kv_heads")
+    q = checkpoint_name(constrain(
+        self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin), HEADS_AXES),
+        "query")
+    k = checkpoint_name(constrain(
+        self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin),
+        KV_HEADS_AXES), "key")
+    v = checkpoint_name(constrain(self._proj(x, "v", c.num_key_value_heads, "kv_heads"),
+                                  KV_HEADS_AXES), "value")
     new_kv = None
     if cache is None:
       out = attention(q, k, v, mask, rt.attention_impl)
@@ -233,6 +290,7 @@ class Attention(nn.Module):
       out = cached_attention(q, new_kv["k"].astype(rt.jnp_dtype),
                              new_kv["v"].astype(rt.jnp_dtype), cache["k"], cache["v"], layer,
                              mask, write_index)
+    out = checkpoint_name(constrain(out, HEADS_AXES), "attn_out")
     o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
                       ("heads", "head_dim", "embed"), rt.jnp_param_dtype)
     return dense(out, o_kernel.astype(rt.jnp_dtype), in_dims=2), new_kv
@@ -253,6 +311,7 @@ class MLP(nn.Module):
                   ("mlp", "embed"), pdt)
     dt = self.runtime.jnp_dtype
     h = nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
+    h = checkpoint_name(constrain(h, MLP_AXES), "mlp_hidden")
     return dense(h, down.astype(dt))
 
 
@@ -268,8 +327,8 @@ class DecoderLayer(nn.Module):
     c, rt = self.config, self.runtime
     h, new_kv = Attention(c, rt, name="attn")(
         RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer, cache, write_index)
-    x = x + h
-    x = x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x))
+    x = constrain(x + h, EMBED_AXES)
+    x = constrain(x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x)), EMBED_AXES)
     return x, new_kv
 
 
@@ -308,7 +367,8 @@ class Qwen2ForCausalLM(nn.Module):
     K/V; all layers' K/V are then written in one scatter, which XLA keeps in place when
     the cache buffer is donated (the sampler's while_loop carry)."""
     c = self.config
-    x = jnp.take(self.embedding, tokens, axis=0).astype(self.runtime.jnp_dtype)
+    x = constrain(jnp.take(self.embedding, tokens, axis=0).astype(self.runtime.jnp_dtype),
+                  EMBED_AXES)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     if self.runtime.scan_layers:
       x, new_kv = self.layers(x, jnp.arange(c.num_hidden_layers), cache, cos, sin, attn_mask,
@@ -323,15 +383,17 @@ class Qwen2ForCausalLM(nn.Module):
       rows = jnp.arange(tokens.shape[0])[:, None]
       cache = {n: cache[n].at[:, rows, :, write_index].set(
           new_kv[n].transpose(1, 2, 0, 3, 4), mode="drop") for n in ("k", "v")}
-    return self.final_norm(x), cache
+    return constrain(self.final_norm(x), EMBED_AXES), cache
 
   def unembed(self, hidden):
-    """hidden: [..., embed] -> float32 logits [..., vocab]."""
+    """hidden: [b, t, embed] -> float32 logits [b, t, vocab]."""
     if self.config.tie_word_embeddings:  # contract on the embedding's minor axis, no transpose
-      return jnp.einsum("...e,ve->...v", hidden, self.embedding.astype(hidden.dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("...e,ev->...v", hidden, self.lm_head.astype(hidden.dtype),
-                      preferred_element_type=jnp.float32)
+      logits = jnp.einsum("...e,ve->...v", hidden, self.embedding.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("...e,ev->...v", hidden, self.lm_head.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+    return constrain(logits, VOCAB_AXES)
 
   def __call__(self, tokens, positions, attn_mask, cache=None, write_index=None):
     hidden, cache = self.hidden(tokens, positions, attn_mask, cache, write_index)
@@ -363,7 +425,7 @@ def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 def unembed(config: Qwen2Config, params, hidden: Array, *,
             runtime: Runtime = DEFAULT_RUNTIME) -> Array:
-  """hidden: [..., embed] -> float32 logits [..., vocab] (tied or separate head)."""
+  """hidden: [b, t, embed] -> float32 logits [b, t, vocab] (tied or separate head)."""
   return Qwen2ForCausalLM(config, runtime).apply({"params": params}, hidden, method="unembed")
 
 

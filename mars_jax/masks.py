@@ -117,6 +117,33 @@ def two_stream_target_mask(segment_ids: Array, positions: Array, noisy_segment_i
       positions, segment_ids, noisy_positions, noisy_segment_ids)
 
 
+def causal_spans(length: int, chunk: int) -> tuple:
+  """Query chunks of a causal pass over `length` positions, each with the keys up to its
+  end: ((q0, q1, ((0, q1),)), ...) for `qwen2.span_attention`."""
+  return tuple((q0, min(q0 + chunk, length), ((0, min(q0 + chunk, length)),))
+               for q0 in range(0, length, chunk))
+
+
+def two_stream_spans(length: int, stream_length: int, block_size: int, chunk: int) -> tuple:
+  """Query chunks of a [clean (L) | noisy target stream (n)] pass and the keys each may
+  see (`qwen2.span_attention`): a clean chunk its causal prefix; a noisy chunk the clean
+  row and the noisy slots within B - 1 of it (a noisy query sees only its own block, at
+  most B consecutive slots of the stream), never the noisy slots beyond:
+
+    queries         keys: clean [0, L)       noisy [L, L + n)
+    clean [q0, q1)        [0, q1)            -
+    noisy [q0, q1)        [0, L)             [q0 - B + 1, q1 + B - 1)
+  """
+  spans = list(causal_spans(length, chunk))
+  end = length + stream_length
+  for q0 in range(length, end, chunk):
+    q1 = min(q0 + chunk, end)
+    k0, k1 = max(length, q0 - block_size + 1), min(end, q1 + block_size - 1)
+    ranges = ((0, k1),) if k0 == length else ((0, length), (k0, k1))
+    spans.append((q0, q1, ranges))
+  return tuple(spans)
+
+
 def _same_segment(seg_q: Array, seg_k: Array) -> Array:
   """seg_q: int[..., Lq], seg_k: int[..., Lk] -> bool[..., Lq, Lk]."""
   return (seg_q[..., :, None] == seg_k[..., None, :]) & (seg_q[..., :, None] != 0)

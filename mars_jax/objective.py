@@ -61,6 +61,9 @@ class ObjectiveConfig:
   the positions unembedded in both streams. None: the row length L (nothing can be
   cut). A row whose target blocks exceed n loses the targets past the first n
   positions (`rows_cut` counts it); the trainer derives an n that fits the data.
+  attention_chunk: queries per chunk of the block-skipping attention ("xla" attention
+  only: each chunk scores only the keys its rows may see, `masks.causal_spans` and
+  `masks.two_stream_spans`); None: every query scores every key (the reference).
   """
 
   kind: Kind = "mars"
@@ -71,6 +74,7 @@ class ObjectiveConfig:
   normalization: Normalization = "sequence"
   chunk_size: int | None = 256
   stream_length: int | None = None
+  attention_chunk: int | None = 64
 
   def __post_init__(self):
     choices.check(Kind, self.kind, "objective.kind")
@@ -85,6 +89,9 @@ class ObjectiveConfig:
     choices.check(Normalization, self.normalization, "objective.normalization")
     if self.chunk_size is not None and self.chunk_size < 1:
       raise ValueError(f"objective.chunk_size={self.chunk_size}; must be >= 1 or None.")
+    if self.attention_chunk is not None and self.attention_chunk < 1:
+      raise ValueError(f"objective.attention_chunk={self.attention_chunk}; must be >= 1 or "
+                       "None.")
     if self.stream_length is not None and self.stream_length < 1:
       raise ValueError(f"objective.stream_length={self.stream_length}; must be >= 1 or "
                        "None (the row length).")
@@ -306,8 +313,10 @@ def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   n = stream["index"].shape[1]
   tokens, positions, attn_mask = _two_stream(f, stream, block, objective.mask_token_id,
                                              objective.intra_block)
+  spans = objective.attention_chunk and masks.two_stream_spans(
+      length, n, block, objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask,
-                                runtime=runtime)
+                                runtime=runtime, spans=spans or None)
   # unembed only the target stream's positions, in both streams: [b, 2n, embed]
   hidden = jnp.concatenate([_gather(hidden[:, :length], stream), hidden[:, length:]], axis=1)
   labels = _gather(f["labels"], stream)
@@ -334,8 +343,10 @@ def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   """AR-SFT sums of the fields `f` of one batch: a causal pass over L, unembedded only
   at the targets (`target_stream` with B = 1)."""
   attn_mask = masks.segment_causal_mask(f["segment_ids"])
+  spans = objective.attention_chunk and masks.causal_spans(f["tokens"].shape[1],
+                                                           objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,
-                                runtime=runtime)
+                                runtime=runtime, spans=spans or None)
   stream = target_stream(f, 1, _stream_length(objective, f["tokens"].shape[1]))
   ce, correct = token_cross_entropy(config, params, _gather(hidden, stream),
                                     _gather(f["labels"], stream),
@@ -392,7 +403,7 @@ def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
 def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_size: int,
               mask_token_id: int, ar_weight: float = 1.0, intra_block: IntraBlock = "causal",
               normalization: Normalization = "sequence", chunk_size: int | None = 256,
-              stream_length: int | None = None,
+              stream_length: int | None = None, attention_chunk: int | None = 64,
               runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """L = CE_mask + ar_weight * CE_AR from one two-stream pass (docs/design.md).
 
@@ -403,15 +414,16 @@ def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
   objective = ObjectiveConfig(kind="mars", block_size=block_size, mask_token_id=mask_token_id,
                               ar_weight=ar_weight, intra_block=intra_block,
                               normalization=normalization, chunk_size=chunk_size,
-                              stream_length=stream_length)
+                              stream_length=stream_length, attention_chunk=attention_chunk)
   return finalize(objective_sums(config, params, batch, objective, runtime=runtime))
 
 
 def ar_sft_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *,
                 normalization: Normalization = "sequence", chunk_size: int | None = 256,
-                stream_length: int | None = None,
+                stream_length: int | None = None, attention_chunk: int | None = 64,
                 runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Array, dict[str, Array]]:
   """Stage-1 AR SFT: causal CE on response tokens only. -> (loss, metrics)."""
   objective = ObjectiveConfig(kind="ar_sft", normalization=normalization,
-                              chunk_size=chunk_size, stream_length=stream_length)
+                              chunk_size=chunk_size, stream_length=stream_length,
+                              attention_chunk=attention_chunk)
   return finalize(objective_sums(config, params, batch, objective, runtime=runtime))

@@ -18,7 +18,7 @@ TOL = 1e-5
 VOCAB = 64
 MASK = VOCAB - 1
 OPTIONS = ("block_size", "ar_weight", "intra_block", "normalization", "chunk_size",
-           "stream_length")
+           "stream_length", "attention_chunk")
 
 
 # Unrolled layers compile twice as fast on CPU (test_sharding runs the scanned stack).
@@ -55,22 +55,27 @@ def ragged_batch(length=11, seed=0):
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=OPTIONS)
 def mars_vg(config, params, batch, block_size=4, ar_weight=1.0, intra_block="causal",
-            normalization="sequence", chunk_size=256, stream_length=None):
+            normalization="sequence", chunk_size=256, stream_length=None,
+            attention_chunk=64):
   """((loss, metrics), grads) of the one-pass `mars_loss`."""
   return jax.value_and_grad(
       lambda p: objective.mars_loss(config, p, batch, block_size=block_size, runtime=RT,
                                     mask_token_id=MASK, ar_weight=ar_weight,
                                     intra_block=intra_block, normalization=normalization,
-                                    chunk_size=chunk_size, stream_length=stream_length),
+                                    chunk_size=chunk_size, stream_length=stream_length,
+                                    attention_chunk=attention_chunk),
       has_aux=True)(params)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("normalization",
-                                                                "stream_length"))
-def ar_vg(config, params, batch, normalization="sequence", stream_length=None):
+                                                                "stream_length",
+                                                                "attention_chunk"))
+def ar_vg(config, params, batch, normalization="sequence", stream_length=None,
+          attention_chunk=64):
   return jax.value_and_grad(
       lambda p: objective.ar_sft_loss(config, p, batch, normalization=normalization,
-                                      runtime=RT, stream_length=stream_length),
+                                      runtime=RT, stream_length=stream_length,
+                                      attention_chunk=attention_chunk),
       has_aux=True)(params)
 
 
@@ -345,6 +350,33 @@ def test_short_target_stream_equals_the_full_loss(tie, intra, packed):
   (ar_short, _), g_ar_short = ar_vg(config, params, batch, stream_length=need)
   assert abs(float(ar_full) - float(ar_short)) < TOL
   assert max_tree_diff(g_ar_full, g_ar_short) < TOL
+
+
+@pytest.mark.parametrize("tie,intra,packed,short,chunk", [
+    (True, "causal", False, False, 3), (False, "causal", True, True, 4),
+    (True, "bidirectional", True, True, 8), (False, "causal", False, True, 5)])
+def test_block_skipping_attention_equals_the_dense_one(tie, intra, packed, short, chunk):
+  """Attention that scores each query chunk only against the keys it may see
+  (`attention_chunk`) gives the dense attention's loss, metrics and gradients, MARS
+  (tied and untied, packed or not, causal and bidirectional blocks, full and short
+  target streams, chunks that do and do not divide B and L) and AR-SFT."""
+  config = tiny_config(tie)
+  params = random_params(config)
+  batch = packed_batch() if packed else long_prompt_batch()
+  stream = (int(np.max(objective.target_block_lengths(objective.prepare(batch), 4)))
+            if short else None)
+  (dense, m_dense), g_dense = mars_vg(config, params, batch, intra_block=intra,
+                                      stream_length=stream, attention_chunk=None)
+  (spans, m_spans), g_spans = mars_vg(config, params, batch, intra_block=intra,
+                                      stream_length=stream, attention_chunk=chunk)
+  assert abs(float(dense) - float(spans)) < TOL
+  assert max_tree_diff(g_dense, g_spans) < TOL
+  for key in m_dense:
+    assert abs(float(m_dense[key]) - float(m_spans[key])) < TOL, key
+  (ar_dense, _), g_ar_dense = ar_vg(config, params, batch, attention_chunk=None)
+  (ar_spans, _), g_ar_spans = ar_vg(config, params, batch, attention_chunk=chunk)
+  assert abs(float(ar_dense) - float(ar_spans)) < TOL
+  assert max_tree_diff(g_ar_dense, g_ar_spans) < TOL
 
 
 def test_full_stream_equals_the_every_block_two_stream_pass():

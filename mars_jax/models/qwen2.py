@@ -76,6 +76,7 @@ from mars_jax.models.config import (  # noqa: F401  (re-exported)
 
 Array = jax.Array
 Cache = dict[str, Array]
+Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # see `span_attention`
 CACHE_CHUNK = 64  # cache slots `cached_attention` reads per block
 
 EMBED_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -184,6 +185,25 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   return out.reshape(b, t, h, d)
 
 
+def span_attention(q: Array, k: Array, v: Array, mask: Array, spans: Spans) -> Array:
+  """`attention` ("xla") computed span by span: the queries [q0, q1) of each span score
+  only the keys of its static key ranges, which must hold every key `mask` lets them
+  see (`mars_jax.masks.causal_spans`, `two_stream_spans`). Equal to `attention` on every
+  query that may see some key; the FLOPs and the score tensors shrink to the ranges
+  (about half of them for a causal pass).
+
+  q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: bool[b, t, s];
+  spans: ((q0, q1, ((k0, k1), ...)), ...) covering [0, t) in order -> [b, t, heads, d].
+  """
+  out = []
+  for q0, q1, ranges in spans:
+    def keys(a, ranges=ranges):
+      return jnp.concatenate([a[:, k0:k1] for k0, k1 in ranges], axis=1)
+    seen = jnp.concatenate([mask[:, q0:q1, k0:k1] for k0, k1 in ranges], axis=2)
+    out.append(attention(q[:, q0:q1], keys(k), keys(v), seen, "xla"))
+  return jnp.concatenate(out, axis=1)
+
+
 def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Array,
                      layer: Array, mask: Array, write_index: Array, *,
                      chunk: int = CACHE_CHUNK) -> Array:
@@ -249,8 +269,11 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
 
 
 class Attention(nn.Module):
+  """spans: the static query/key spans of an uncached pass (`span_attention`, "xla"
+  only); None: every query scores every key."""
   config: Qwen2Config
   runtime: Runtime = DEFAULT_RUNTIME
+  spans: Spans | None = None
 
   def _proj(self, x, name, heads, heads_axis):
     """x: [b, t, embed] -> [b, t, heads, head_dim] (plus the bias where the family has one)."""
@@ -284,7 +307,9 @@ class Attention(nn.Module):
                                   KV_HEADS_AXES), "value")
     new_kv = None
     if cache is None:
-      out = attention(q, k, v, mask, rt.attention_impl)
+      out = (span_attention(q, k, v, mask, self.spans)
+             if self.spans is not None and rt.attention_impl == "xla"
+             else attention(q, k, v, mask, rt.attention_impl))
     else:  # decoding: read the cache, hand this step's K/V back for one write of all layers
       new_kv = {"k": k.astype(cache["k"].dtype), "v": v.astype(cache["v"].dtype)}
       out = cached_attention(q, new_kv["k"].astype(rt.jnp_dtype),
@@ -321,11 +346,12 @@ class DecoderLayer(nn.Module):
   all layers' (or None), is passed whole and read at `layer`."""
   config: Qwen2Config
   runtime: Runtime = DEFAULT_RUNTIME
+  spans: Spans | None = None
 
   @nn.compact
   def __call__(self, x, layer, cache, cos, sin, mask, write_index):
     c, rt = self.config, self.runtime
-    h, new_kv = Attention(c, rt, name="attn")(
+    h, new_kv = Attention(c, rt, self.spans, name="attn")(
         RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer, cache, write_index)
     x = constrain(x + h, EMBED_AXES)
     x = constrain(x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x)), EMBED_AXES)
@@ -333,8 +359,10 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
+  """spans: see `Attention` (uncached passes only)."""
   config: Qwen2Config
   runtime: Runtime = DEFAULT_RUNTIME
+  spans: Spans | None = None
 
   def setup(self):
     c, rt = self.config, self.runtime
@@ -350,9 +378,10 @@ class Qwen2ForCausalLM(nn.Module):
           layer, variable_axes={"params": 0}, split_rngs={"params": True},
           in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
           length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"},
-      )(c, rt, name="layers")
+      )(c, rt, self.spans, name="layers")
     else:
-      self.layers = [layer(c, rt, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+      self.layers = [layer(c, rt, self.spans, name=f"layers_{i}")
+                     for i in range(c.num_hidden_layers)]
     self.final_norm = RMSNorm(c, rt, name="final_norm")
     if not c.tie_word_embeddings:
       self.lm_head = self.param(
@@ -416,9 +445,11 @@ def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 
 def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
-                   attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME) -> Array:
-  """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses)."""
-  hidden, _ = Qwen2ForCausalLM(config, runtime).apply(
+                   attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME,
+                   spans: Spans | None = None) -> Array:
+  """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses).
+  spans: static query/key spans that hold every key the mask allows (`span_attention`)."""
+  hidden, _ = Qwen2ForCausalLM(config, runtime, spans).apply(
       {"params": params}, tokens, positions, attn_mask, method="hidden")
   return hidden
 

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from mars_jax.benchmarks import decode_cost, sample
 
 
+@pytest.mark.slow  # ~40 s; the closing notes run the README's bench commands as written
 def test_bench_sample_on_the_toy(tmp_path, capsys):
   out = tmp_path / "bench.json"
   sample.main(["--model", "toy", "--batch-sizes", "2", "--windows", "1,3", "--taus", "0.9",

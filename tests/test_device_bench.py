@@ -1,10 +1,13 @@
 """`python -m mars_jax.bench device` (the accelerator check's figures): its smoke run, so
-the GPU run cannot rot, and its budget guard, chip table and byte counts."""
+the GPU run cannot rot (in the slow set: `pytest -m slow`), and its budget guard, chip
+table and byte counts."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from mars_jax.benchmarks import device, roofline
 from mars_jax.models import qwen2
@@ -12,6 +15,7 @@ from mars_jax.models import qwen2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # end to end: every section of the device bench, CPU-sized
 def test_smoke_runs_every_section(tmp_path):
   """Every section's code path on tiny shapes, in a subprocess as the shell runs it
   (XLA's CPU backend unoptimised: compiling is most of the time, the speed is moot)."""

@@ -55,6 +55,7 @@ def test_greedy_ar_and_lossless_equal_transformers_generate(hf_tiny, tie, kv):
   assert lossless.tokens == ref
 
 
+@pytest.mark.slow  # end to end: the train CLI, export, transformers reload
 def test_train_cli_export_reloads_in_transformers(hf_tiny, tmp_path):
   """Two MARS steps of the train CLI from a tiny Qwen3 HF directory (the embedded
   task's character tokenizer saved next to it), the run's HF export, and transformers'

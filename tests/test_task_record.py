@@ -137,6 +137,7 @@ def test_readme_evaluate_command_uses_the_default_runs_settings(tmp_path, monkey
   assert f"{tiny.num_test} problems (from data.synthetic.num_test in " in out
 
 
+@pytest.mark.slow  # end to end: a training run and its final evaluation
 def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, capsys):
   """The real path: experiment.run (1 step of a tiny model, easy problems, split seed 3,
   test fraction 0.2) writes task.json into its run dir and HF export; the final eval,

@@ -138,7 +138,7 @@ def _chat_file(path, n=48):
   return str(path)
 
 
-@pytest.mark.parametrize("num_eval", [0, 8])
+@pytest.mark.parametrize("num_eval", [0, pytest.param(8, marks=pytest.mark.slow)])
 def test_file_source_trains_with_or_without_held_out_slice(tmp_path, num_eval):
   """A JSONL source without eval_source: num_eval=0 trains without eval loss (one-line
   notice); num_eval=8 holds 8 records out and reports eval loss."""

@@ -108,9 +108,11 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Any) -> P:
 def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
   """x: [...] pinned to the mesh axes its logical `axes` (one per dimension) map to under
   the bound `nn.logical_axis_rules` on the abstract mesh in context; x itself when either
-  is missing. A dimension its mesh axes do not divide stays replicated, as in the weights."""
+  is missing, or when the mesh is one device (where a constraint changes nothing but
+  XLA's fusion choices, and with them the float rounding of a run). A dimension its mesh
+  axes do not divide stays replicated, as in the weights."""
   rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
-  if not rules or mesh.empty:
+  if not rules or mesh.empty or mesh.size == 1:
     return x
   spec = fit_spec(nn.logical_to_mesh_axes(axes, rules), x.shape, mesh)
   return jax.lax.with_sharding_constraint(x, spec)

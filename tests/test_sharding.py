@@ -340,6 +340,19 @@ def test_tensor_parallel_activations_equal_single_device(eight_devices):
              and s.endswith(f"x{c.hidden_size}xf32>") for s in tp["constraints"]), tp
 
 
+def test_one_device_mesh_leaves_activations_unconstrained():
+  """On one device a constraint only changes XLA's fusion choices (and with them a run's
+  float rounding): the model traced under a 1x1x1 mesh's rules lowers without any."""
+  config, batch = tiny_config(), packed_batch(rows=2)
+  params = qwen2.init_params(config, jax.random.key(0))
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+
+  def loss(p):
+    with sharding.activation_sharding(mesh):
+      return objective.mars_loss(config, p, batch, block_size=4, mask_token_id=MASK)[0]
+  assert "sharding_constraint" not in jax.jit(loss).lower(params).as_text()
+
+
 if __name__ == "__main__":
   jax.config.update("jax_default_matmul_precision", "highest")
   print(json.dumps(sharded_vs_single_device()))

@@ -53,6 +53,7 @@ def test_two_processes_equal_one(two_proc, tmp_path):
                params_of(two_proc), params_of(one))
 
 
+@pytest.mark.slow  # ~50 s; single-process resume and kill -9 stay in the default suite
 def test_two_process_resume_is_exact(two_proc, tmp_path):
   d = str(tmp_path / "resumed")
   train_2proc(d, *STEPS, "--config.train.stop_at_step=2")

@@ -225,6 +225,7 @@ def test_cost_table_file_and_lookup(tmp_path):
   assert AcceptanceStats(prior_forwards=2.0).tokens_per_forward(4) == 4.0
 
 
+@pytest.mark.slow  # ~20 s; the policy's choice rules have their own fast tests
 def test_auto_window_follows_the_cost_table(trained, model, eos_ids, greedy_ref):
   """Lossless output is greedy AR whatever W the policy picks; the table decides W."""
   m = trained

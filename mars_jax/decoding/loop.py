@@ -49,7 +49,7 @@ overwritten). All drafts matching: commit g7, g8, g9 and take d10, d11 as the
 next drafts. The output is greedy AR, token for token, at every W.
 
 A step feeds at most `real_slots` pending tokens; a sample with more pending
-(a long prompt chunked over several steps, or W lowered between segments)
+(a long prompt chunked over several steps, or W lowered between rounds)
 writes those K/V and moves its cursor without proposing (a partial step).
 
 Per-sample gates: `tau` and `metric` are arrays in the loop state, one entry per

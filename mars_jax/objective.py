@@ -3,7 +3,9 @@
 A batch is `{"tokens": int32[b, L], "loss_mask": bool[b, L]}` plus optionally
 `"segment_ids": int32[b, L]` (packed rows: contiguous runs, 0 = padding) and
 `"positions": int32[b, L]` (RoPE positions; default: per-segment positions when
-segments are given, else 0..L-1). The output at position p predicts
+segments are given, else 0..L-1) and `"block_offset": int32[b]` (each row's blocks are
+(position + offset) // B; default 0, the fixed partition; `block_offsets` draws the
+random shifts the train step uses with `random_block_offset`). The output at position p predicts
 `tokens[p+1]` and counts where `loss_mask[p+1]` (within one segment), in both
 streams (docs/design.md).
 
@@ -64,6 +66,9 @@ class ObjectiveConfig:
   attention_chunk: queries per chunk of the block-skipping attention ("xla" attention
   only: each chunk scores only the keys its rows may see, `masks.causal_spans` and
   `masks.two_stream_spans`); None: every query scores every key (the reference).
+  random_block_offset: the train step shifts each row's block partition by a random
+  offset in [0, B) every step (`block_offsets`), and the eval step row i's by i mod B;
+  False: blocks are position // B, the partition of docs/design.md (mars only).
   """
 
   kind: Kind = "mars"
@@ -75,6 +80,7 @@ class ObjectiveConfig:
   chunk_size: int | None = 256
   stream_length: int | None = None
   attention_chunk: int | None = 64
+  random_block_offset: bool = False
 
   def __post_init__(self):
     choices.check(Kind, self.kind, "objective.kind")
@@ -103,8 +109,11 @@ class ObjectiveConfig:
 def prepare(batch: Batch) -> dict[str, Array]:
   """Validated fields of a batch, with the defaults filled in.
 
+  batch: tokens, loss_mask [b, L] (+ segment_ids, positions [b, L]; block_offset
+  int32[b], default 0: each row's block partition shifted, see `block_offsets`).
   -> tokens, segment_ids, positions: int32[b, L]; loss_mask: bool[b, L];
-     labels: int32[b, L] (labels[p] = tokens[p+1]); target: bool[b, L] (output p counts).
+     labels: int32[b, L] (labels[p] = tokens[p+1]); target: bool[b, L] (output p counts);
+     block_pos: int32[b, L] (positions + block_offset: blocks are block_pos // B).
   """
   for key in ("tokens", "loss_mask"):
     if key not in batch:
@@ -126,12 +135,28 @@ def prepare(batch: Batch) -> dict[str, Array]:
     default_pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                    tokens.shape)
   positions = jnp.asarray(batch.get("positions", default_pos)).astype(jnp.int32)
+  offset = jnp.asarray(batch.get("block_offset", jnp.zeros(tokens.shape[:1], jnp.int32)))
+  if offset.shape != tokens.shape[:1]:
+    raise ValueError(f"batch['block_offset'] has shape {offset.shape}; expected "
+                     f"({tokens.shape[0]},): one offset per row.")
   labels = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
   same_next = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] != 0)
   target = jnp.concatenate([loss_mask[:, 1:] & same_next,
                             jnp.zeros_like(loss_mask[:, :1])], axis=1)
   return dict(tokens=tokens, loss_mask=loss_mask, segment_ids=seg, positions=positions,
-              labels=labels, target=target)
+              labels=labels, target=target,
+              block_pos=positions + offset.astype(jnp.int32)[:, None])
+
+
+def block_offsets(key: Array, rows: int, block_size: int) -> Array:
+  """int32[rows]: a random shift in [0, B) of each row's block partition.
+
+  With offset o a row's blocks are (position + o) // B, so across steps the masked
+  blocks start at every position mod B, as the sampler's MASK slots do (they follow
+  whatever token was accepted last). With the fixed partition (o = 0) a small
+  model learns its in-block slot from its absolute position mod B, and its MASK
+  proposals fail wherever decoding is not block-aligned (docs/default.md)."""
+  return jax.random.randint(key, (rows,), 0, block_size, jnp.int32)
 
 
 def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
@@ -152,7 +177,7 @@ def target_block_lengths(f: dict[str, Array], block_size: int) -> Array:
   """Positions of each row in blocks that hold a target: int32[b].
 
   f: the fields of `prepare`. A block is B consecutive positions of one segment,
-  counted from its start (position // B); it holds a target when any of its
+  counted from its start (block_pos // B); it holds a target when any of its
   outputs counts (`target`). Padding (segment 0) is never kept.
   """
   keep = _in_target_block(f, block_size)
@@ -161,7 +186,7 @@ def target_block_lengths(f: dict[str, Array], block_size: int) -> Array:
 
 def _in_target_block(f: dict[str, Array], block_size: int) -> Array:
   """bool[b, L]: the position is in a block (of its segment) that holds a target."""
-  seg, blk = f["segment_ids"], f["positions"] // block_size
+  seg, blk = f["segment_ids"], f["block_pos"] // block_size
   new_block = jnp.concatenate([jnp.ones_like(seg[:, :1], bool),
                                (seg[:, 1:] != seg[:, :-1]) | (blk[:, 1:] != blk[:, :-1])],
                               axis=1)
@@ -218,8 +243,10 @@ def _two_stream(f: dict[str, Array], stream: dict[str, Array], block_size: int,
   noisy_seg = _gather(f["segment_ids"], stream)
   tokens = jnp.concatenate([f["tokens"], noisy], axis=1)
   positions = jnp.concatenate([f["positions"], noisy_pos], axis=1)
-  attn_mask = masks.two_stream_target_mask(f["segment_ids"], f["positions"], noisy_seg,
-                                           noisy_pos, block_size, intra_block=intra_block)
+  # the mask from block positions: a per-row shift keeps every order inside the row
+  attn_mask = masks.two_stream_target_mask(f["segment_ids"], f["block_pos"], noisy_seg,
+                                           _gather(f["block_pos"], stream), block_size,
+                                           intra_block=intra_block)
   return tokens, positions, attn_mask
 
 
@@ -328,7 +355,7 @@ def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   target = _gather(f["target"], stream, False).astype(jnp.float32)
   ce_ar = jnp.sum(weights * ce[:, :n])
   ce_mask = jnp.sum(weights * ce[:, n:])
-  offset = (jax.nn.one_hot(_gather(f["positions"], stream) % block, block)
+  offset = (jax.nn.one_hot(_gather(f["block_pos"], stream) % block, block)
             * target[..., None])
   return dict(
       loss=ce_mask + objective.ar_weight * ce_ar, ce_ar=ce_ar, ce_mask=ce_mask, denom=denom,

@@ -62,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = ml_collections.ConfigDict(dict(
       kind="mars", block_size=4, ar_weight=1.0, intra_block="causal",
       normalization="sequence", chunk_size=256, stream_length=placeholder(int),
-      attention_chunk=64))
+      attention_chunk=64, random_block_offset=False))
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=5e-6, warmup_ratio=0.03, decay="cosine", final_lr_ratio=0.0,
       weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=1.0))

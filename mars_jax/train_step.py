@@ -133,14 +133,15 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
                     tx: optax.GradientTransformation, mesh: Mesh, *, micro_batches: int = 1,
                     learning_rate_fn: optax.Schedule | None = None,
                     rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
-                    runtime: Runtime = DEFAULT_RUNTIME
+                    runtime: Runtime = DEFAULT_RUNTIME, seed: int = 0
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
   """The jitted step `(state, batch) -> (state, metrics)`.
 
   batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
   "positions"), b the global batch, divisible by micro_batches and by each
   micro-batch's share of the (data, fsdp) devices. `objective.kind` picks MARS or
-  AR-SFT. metrics: float32 scalars from `objective.finalize` plus grad_norm
+  AR-SFT; with `objective.random_block_offset` the rows' block offsets are drawn
+  from (seed, step), so a resumed run draws the same ones. metrics: float32 scalars from `objective.finalize` plus grad_norm
   (before clipping) and, with `learning_rate_fn`, the learning rate of this step.
   The input state is donated.
   """
@@ -157,6 +158,10 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
           f"batch size {rows} must be divisible by micro_batches ({micro_batches}) x "
           f"the batch's device split ({batch_shards}: data x fsdp), so that every "
           "micro-batch splits over the devices.")
+    if objective.kind == "mars" and objective.random_block_offset:
+      key = jax.random.fold_in(jax.random.key(seed), state.step)
+      batch = {**batch, "block_offset": objective_lib.block_offsets(
+          key, rows, objective.block_size)}
     with sharding.activation_sharding(mesh, rules):
       grads, sums = loss_and_grads(model_config, objective, state.params, batch,
                                    micro_batches=micro_batches,
@@ -181,11 +186,16 @@ def make_eval_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   """The jitted `(params, batch) -> sums` of the objective (no gradient).
 
   Add the sums of several batches and call `objective.finalize` for their loss
-  and metrics over the whole set.
+  and metrics over the whole set. With `objective.random_block_offset`, row i's
+  blocks are shifted by i mod B (every alignment, the same on every call).
   """
   params_sharding = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
 
   def evaluate(params, batch):
+    if objective.kind == "mars" and objective.random_block_offset:
+      rows = batch["tokens"].shape[0]
+      batch = {**batch, "block_offset": jnp.arange(rows, dtype=jnp.int32)
+               % objective.block_size}
     with sharding.activation_sharding(mesh, rules):
       return objective_lib.objective_sums(model_config, params, batch, objective,
                                           runtime=runtime)

@@ -132,20 +132,25 @@ def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
     n, why = length, "packed rows"
   else:
     block = 1 if cfg.objective.kind == "ar_sft" else cfg.objective.block_size
-    longest = max(_longest_target_blocks(source, block, length, data.pad_id)
-                  for source in (data.train, data.eval) if source is not None)
+    offsets = range(block) if block > 1 and cfg.objective.random_block_offset else (0,)
+    longest = max(_longest_target_blocks(source, block, length, data.pad_id, offset)
+                  for source in (data.train, data.eval) if source is not None
+                  for offset in offsets)
     n = objective_lib.fitting_stream_length(longest, block, length)
-    why = f"the longest example's target blocks: {longest}"
+    why = (f"the longest example's target blocks: {longest}"
+           + (", any block offset" if len(offsets) > 1 else ""))
   if verbose:
     _LOG.info("[%s] target stream: %s of %s positions per row (%s)", name, n, length, why)
   return int(n)
 
 
 def _longest_target_blocks(source, block_size: int, length: int, pad_id: int,
-                           rows: int = 4096) -> int:
-  """Max over the examples of `source` of their positions in target blocks."""
-  count = jax.jit(lambda b: objective_lib.target_block_lengths(objective_lib.prepare(b),
-                                                              block_size))
+                           offset: int = 0, rows: int = 4096) -> int:
+  """Max over the examples of `source` of their positions in target blocks (blocks
+  shifted by `offset`, see `objective.prepare`)."""
+  count = jax.jit(lambda b: objective_lib.target_block_lengths(
+      objective_lib.prepare({**b, "block_offset": np.full((rows,), offset, np.int32)}),
+      block_size))
   longest = 0
   for start in range(0, len(source), rows):
     batch = [pad_example(source[i], length, pad_id)
@@ -189,7 +194,7 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   step_fn = ts.make_train_step(model_config, typed.objective, tx, mesh,
                                micro_batches=cfg.train.micro_batches,
                                learning_rate_fn=make_schedule(typed.optimizer),
-                               runtime=runtime)
+                               runtime=runtime, seed=cfg.train.seed)
   eval_step = ts.make_eval_step(model_config, typed.objective, mesh, runtime=runtime)
   batch_sharding = sharding.batch_sharding(mesh)
   checkpoint.write_layout(run_dir, layout(cfg, model_config, runtime))

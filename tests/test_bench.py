@@ -1,10 +1,10 @@
-"""The decoding benches run end to end on the trained toy, as the README shows them."""
+"""The benches run end to end: decoding on the trained toy, the train step on a tiny shape."""
 
 import json
 
 import pytest
 
-from mars_jax.benchmarks import decode_cost, sample
+from mars_jax.benchmarks import decode_cost, sample, step
 
 
 @pytest.mark.slow  # ~40 s; the closing notes run the README's bench commands as written
@@ -30,3 +30,18 @@ def test_bench_decode_on_the_toy(capsys):
   lines = capsys.readouterr().out.strip().splitlines()
   assert "GFLOP/s" in lines[0] and len(lines) == 4
   assert [line.split()[:3] for line in lines[2:]] == [["2", "1", "2"], ["2", "3", "10"]]
+
+
+def test_bench_step_tiny_shape_unrolled(capsys):
+  step.main(["--scenarios", "prompt-heavy", "--hidden", "32", "--layers", "2", "--heads", "2",
+             "--kv-heads", "1", "--intermediate", "64", "--vocab", "128", "--batch", "2",
+             "--length", "32", "--steps", "1", "--rounds", "1", "--no-peer", "--no-scan",
+             "--mem-vocabs", "256", "--mem-lengths", "16", "--mem-batch", "1",
+             "--mem-hidden", "16"])
+  out = capsys.readouterr().out
+  assert "scan_layers=False" in out.splitlines()[0]
+  rows = {line.split(",")[0].split("  ")[0]: line.split() for line in out.splitlines()
+          if line.startswith("ours ")}
+  assert set(rows) == {"ours ar_sft", "ours mars"}
+  assert all(float(r[-3]) > 0 for r in rows.values())        # ms/step measured
+  assert "naive/chunked" in out

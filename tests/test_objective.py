@@ -85,9 +85,10 @@ def ce(logits, labels):
 
 
 def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causal",
-                       normalization="sequence"):
+                       normalization="sequence", offset=0):
   """docs/design.md with plain forward passes: the clean stream alone, and for each block k
-  the clean tokens of blocks < k followed by the noisy tokens of block k.
+  the clean tokens of blocks < k followed by the noisy tokens of block k. `offset`
+  shifts every row's blocks: they start where (position + offset) % B == 0.
 
   The passes are stacked as rows of one forward call (each row right-padded to L,
   which a causal row never attends to), so the reference compiles once.
@@ -97,10 +98,10 @@ def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causa
   labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1)
   target = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((b, 1), bool)], 1).astype(jnp.float32)
   noisy = jnp.where(loss_mask, MASK, tokens)
-  starts = list(range(0, length, block))
+  starts = [0] + [p for p in range(1, length) if (p + offset) % block == 0]
+  ends = starts[1:] + [length]
   seqs, pass_masks = [tokens], [np.tril(np.ones((length, length), bool))]
-  for start in starts:
-    end = min(start + block, length)
+  for start, end in zip(starts, ends):
     seqs.append(jnp.concatenate([tokens[:, :start], noisy[:, start:end], tokens[:, end:]], 1))
     mask = np.tril(np.ones((length, length), bool))
     if intra == "bidirectional":
@@ -113,8 +114,8 @@ def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causa
       jnp.asarray(np.repeat(np.stack(pass_masks), b, axis=0)),
       runtime=RT).reshape(n, b, length, -1)
   ce_clean = ce(logits[0], labels)
-  ce_noisy = jnp.concatenate([ce(logits[k + 1][:, s:s + block], labels[:, s:s + block])
-                              for k, s in enumerate(starts)], 1)
+  ce_noisy = jnp.concatenate([ce(logits[k + 1][:, s:e], labels[:, s:e])
+                              for k, (s, e) in enumerate(zip(starts, ends))], 1)
   if normalization == "sequence":
     weights = target / jnp.maximum(target.sum(1, keepdims=True), 1.0)
     denom = b
@@ -123,10 +124,12 @@ def separate_pass_loss(config, params, batch, block, ar_weight=1.0, intra="causa
   return (jnp.sum(weights * ce_noisy) + ar_weight * jnp.sum(weights * ce_clean)) / denom
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def separate_vg(config, params, batch, block, intra="causal", normalization="sequence"):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6))
+def separate_vg(config, params, batch, block, intra="causal", normalization="sequence",
+                offset=0):
   return jax.value_and_grad(lambda p: separate_pass_loss(
-      config, p, batch, block, intra=intra, normalization=normalization))(params)
+      config, p, batch, block, intra=intra, normalization=normalization,
+      offset=offset))(params)
 
 
 def max_tree_diff(a, b):
@@ -407,3 +410,36 @@ def test_rows_that_do_not_fit_are_counted():
   assert float(metrics["rows_cut"]) == np.sum(need > short) >= 1
   (_, metrics), _ = mars_vg(config, params, batch)
   assert float(metrics["rows_cut"]) == 0
+
+
+@pytest.mark.parametrize("attention_chunk", [None, 4])
+def test_shifted_blocks_equal_separate_passes_row_by_row(attention_chunk):
+  """Rows with block offsets 1, 3, 2: the one-pass loss is the mean of each row's
+  separate-pass loss with its blocks shifted (sequence normalisation: one row, one share)."""
+  config = tiny_config()
+  params = random_params(config)
+  batch = ragged_batch(11)
+  offsets = (1, 3, 2)
+  (loss, _), grads = mars_vg(config, params, {**batch, "block_offset": np.int32(offsets)},
+                             attention_chunk=attention_chunk)
+  refs = [separate_vg(config, params, {k: v[r:r + 1] for k, v in batch.items()}, 4,
+                      offset=o) for r, o in enumerate(offsets)]
+  ref_loss = sum(float(l) for l, _ in refs) / len(offsets)
+  ref_grads = jax.tree.map(lambda *g: sum(g) / len(offsets), *[g for _, g in refs])
+  assert abs(float(loss) - ref_loss) < TOL, (float(loss), ref_loss)
+  assert max_tree_diff(grads, ref_grads) < TOL
+  (unshifted, _), _ = mars_vg(config, params, batch, attention_chunk=attention_chunk)
+  assert abs(float(unshifted) - float(loss)) > 1e-3     # the offsets change the blocks
+
+
+def test_random_block_offsets_are_drawn_from_seed_and_step():
+  """The train step's offsets: in [0, B), every offset drawn, the same for the same
+  (seed, step) (a resumed run), others for the next step; the eval step's are i mod B."""
+  draw = lambda seed, step: np.asarray(objective.block_offsets(
+      jax.random.fold_in(jax.random.key(seed), step), 64, 4))
+  a = draw(0, 7)
+  assert a.min() == 0 and a.max() == 3 and set(a.tolist()) == {0, 1, 2, 3}
+  assert (a == draw(0, 7)).all() and not (a == draw(0, 8)).all()
+  assert not (a == draw(1, 7)).all()
+  with pytest.raises(ValueError, match="one offset per row"):
+    objective.prepare({**ragged_batch(), "block_offset": np.zeros((2,), np.int32)})

@@ -59,6 +59,8 @@ def parse_args(argv):
   g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="compute dtype (params stay float32)")
   g.add_argument("--remat", default="none", choices=choices.values(Remat))
+  g.add_argument("--no-scan", action="store_true",
+                 help="unrolled layers (Runtime.scan_layers=False) instead of a layer scan")
   g.add_argument("--chunk-size", type=int, default=256,
                  help="sequence positions per cross-entropy chunk")
   g.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -106,7 +108,8 @@ def train_flops(config: qwen2.Qwen2Config, batch: int, positions: int) -> tuple[
 
 def time_step(config, runtime, obj, tx, mesh, params, batch, steps, rounds=1):
   """-> (seconds per step, best of `rounds` rounds of `steps` steps; compiled temp MiB)."""
-  state = train_step.init_train_state(config, tx, mesh, params=params, runtime=runtime)
+  state = train_step.init_train_state(config, tx, mesh, params=qwen2.relayout(params, runtime),
+                                      runtime=runtime)
   step = train_step.make_train_step(config, obj, tx, mesh, runtime=runtime)
   temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes / MIB
   state, metrics = step(state, batch)
@@ -248,11 +251,12 @@ def scenario_rows(config, batch, args, runtime, mesh, peer_dir: str | None) -> l
 
 def step_table(args) -> str:
   import tempfile  # pylint: disable=import-outside-toplevel
-  runtime = qwen2.Runtime(dtype=args.dtype, remat=args.remat)
+  runtime = qwen2.Runtime(dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan)
   mesh = sharding.make_mesh(sharding.MeshConfig(-1, 1, 1))
   if not args.threads:
     args.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
   lines = [f"Train step (value, gradient, AdamW): dtype={runtime.dtype} remat={runtime.remat} "
+           f"scan_layers={runtime.scan_layers} "
            f"B={args.block_size}, {jax.device_count()} x {jax.devices()[0].platform}; "
            f"best of {args.rounds} rounds of {args.steps} steps"
            + ("" if args.no_peer else f"; PyTorch peer: transformers sdpa, "

@@ -142,12 +142,15 @@ def sharded_vs_single_device():
   return out
 
 
-def test_accumulated_micro_batches_equal_full_batch():
+@pytest.mark.parametrize("random_offset", [False, True])
+def test_accumulated_micro_batches_equal_full_batch(random_offset):
   """Micro-batches hold different numbers of sequences (segments) and targets: the loss
-  is a sum divided once by the whole batch's denominator, so accumulation is exact."""
+  is a sum divided once by the whole batch's denominator, so accumulation is exact
+  (with random block offsets too: drawn for the whole batch, split with its rows)."""
   config = tiny_config()
   tx = make_tx(2)
-  obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK)
+  obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK,
+                                  random_block_offset=random_offset)
   params = jax.device_get(qwen2.init_params(config, jax.random.key(1)))
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
   batch = packed_batch(rows=8)
@@ -176,6 +179,26 @@ def test_bfloat16_compute_keeps_float32_master_params():
   dtypes = {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))}
   assert dtypes == {np.dtype(np.float32)}
   assert abs(float(metrics["loss"]) - float(f32_loss)) < 0.05 * float(f32_loss)
+
+
+def test_random_block_offsets_of_the_train_and_eval_steps():
+  """The train step's loss is the objective's with the offsets of (seed, step); the eval
+  step's is the objective's with row i shifted by i mod B."""
+  config = tiny_config()
+  obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK, random_block_offset=True)
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(4)))
+  mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  batch = packed_batch(rows=8)
+  loss_with = jax.jit(lambda p, o: objective.mars_loss(
+      config, p, {**batch, "block_offset": o}, block_size=4, mask_token_id=MASK)[0])
+  state = train_step.init_train_state(config, make_tx(), mesh, params=params)
+  _, metrics = train_step.make_train_step(config, obj, make_tx(), mesh, seed=5)(state, batch)
+  drawn = objective.block_offsets(jax.random.fold_in(jax.random.key(5), 0), 8, 4)
+  assert abs(float(metrics["loss"]) - float(loss_with(params, drawn))) < TOL
+  sums = train_step.make_eval_step(config, obj, mesh)(params, batch)
+  cyclic = np.arange(8, dtype=np.int32) % 4
+  assert abs(float(objective.finalize(sums)[0]) - float(loss_with(params, cyclic))) < TOL
+  assert abs(float(loss_with(params, cyclic)) - float(loss_with(params, 0 * cyclic))) > 1e-4
 
 
 def test_eval_step_sums_add_up_to_the_loss_of_the_whole_set():

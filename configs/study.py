@@ -29,7 +29,8 @@ def get_config():
   c.train.checkpoint_every = 100
   c.study = ml_collections.ConfigDict(dict(
       parent_dir=ml_collections.config_dict.placeholder(str),
-      parent_steps=1000, parent_learning_rate=2e-3, child_steps=220,
+      parent_steps=c.stage1.steps, parent_learning_rate=c.stage1.learning_rate,
+      child_steps=c.train.steps,
       variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
                 "noar_b16", "bd_b4"),
       taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability", "margin"), num_problems=500,

@@ -19,7 +19,9 @@ anything is compiled.
   objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...);
                     stream_length unset: the trainer derives the shortest target
                     stream that holds every example's target blocks (the whole row
-                    when packing)
+                    when packing); random_block_offset True here (each row's blocks
+                    shifted at random every step, docs/design.md), False: the
+                    paper's fixed partition position // B
   optimizer.*       mars_jax.optimizer.OptimizerConfig (total_steps comes from train.steps)
   data.*            mars_jax.data.default_config()
   mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
@@ -62,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = ml_collections.ConfigDict(dict(
       kind="mars", block_size=4, ar_weight=1.0, intra_block="causal",
       normalization="sequence", chunk_size=256, stream_length=placeholder(int),
-      attention_chunk=64, random_block_offset=False))
+      attention_chunk=64, random_block_offset=True))
   c.optimizer = ml_collections.ConfigDict(dict(
       learning_rate=5e-6, warmup_ratio=0.03, decay="cosine", final_lr_ratio=0.0,
       weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=1.0))

@@ -435,8 +435,9 @@ def mars_loss(config: qwen2.Qwen2Config, params: Any, batch: Batch, *, block_siz
   """L = CE_mask + ar_weight * CE_AR from one two-stream pass (docs/design.md).
 
   batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
-  "positions": int32[b, L]). -> (loss: float32[], metrics: see `finalize`).
-  The keywords are the fields of `ObjectiveConfig`.
+  "positions": int32[b, L]; "block_offset": int32[b], each row's blocks shifted, see
+  `prepare`). -> (loss: float32[], metrics: see `finalize`). The keywords are the
+  fields of `ObjectiveConfig` (`random_block_offset` is the train step's business).
   """
   objective = ObjectiveConfig(kind="mars", block_size=block_size, mask_token_id=mask_token_id,
                               ar_weight=ar_weight, intra_block=intra_block,

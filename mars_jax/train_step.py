@@ -141,8 +141,9 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
   "positions"), b the global batch, divisible by micro_batches and by each
   micro-batch's share of the (data, fsdp) devices. `objective.kind` picks MARS or
   AR-SFT; with `objective.random_block_offset` the rows' block offsets are drawn
-  from (seed, step), so a resumed run draws the same ones. metrics: float32 scalars from `objective.finalize` plus grad_norm
-  (before clipping) and, with `learning_rate_fn`, the learning rate of this step.
+  from (seed, step), so a resumed run draws the same ones. metrics: float32
+  scalars from `objective.finalize` plus grad_norm (before clipping) and, with
+  `learning_rate_fn`, the learning rate of this step.
   The input state is donated.
   """
   if micro_batches < 1:

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
@@ -133,9 +134,8 @@ def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
   else:
     block = 1 if cfg.objective.kind == "ar_sft" else cfg.objective.block_size
     offsets = range(block) if block > 1 and cfg.objective.random_block_offset else (0,)
-    longest = max(_longest_target_blocks(source, block, length, data.pad_id, offset)
-                  for source in (data.train, data.eval) if source is not None
-                  for offset in offsets)
+    longest = max(_longest_target_blocks(source, block, length, data.pad_id, offsets)
+                  for source in (data.train, data.eval) if source is not None)
     n = objective_lib.fitting_stream_length(longest, block, length)
     why = (f"the longest example's target blocks: {longest}"
            + (", any block offset" if len(offsets) > 1 else ""))
@@ -145,12 +145,14 @@ def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
 
 
 def _longest_target_blocks(source, block_size: int, length: int, pad_id: int,
-                           offset: int = 0, rows: int = 4096) -> int:
-  """Max over the examples of `source` of their positions in target blocks (blocks
-  shifted by `offset`, see `objective.prepare`)."""
-  count = jax.jit(lambda b: objective_lib.target_block_lengths(
-      objective_lib.prepare({**b, "block_offset": np.full((rows,), offset, np.int32)}),
-      block_size))
+                           offsets=(0,), rows: int = 4096) -> int:
+  """Max over the examples of `source` and the block `offsets` (see
+  `objective.prepare`) of an example's positions in target blocks."""
+  @jax.jit
+  def count(b):
+    return jnp.max(jnp.stack([objective_lib.target_block_lengths(objective_lib.prepare(
+        {**b, "block_offset": jnp.full((rows,), o, jnp.int32)}), block_size)
+                              for o in offsets]), axis=0)
   longest = 0
   for start in range(0, len(source), rows):
     batch = [pad_example(source[i], length, pad_id)

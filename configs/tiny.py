@@ -15,8 +15,8 @@ training problems stage 1 sees about 6 times. Stage 2 runs at half stage 1's
 learning rate with the AR term weighted 3x, and shifts each row's blocks by a random
 offset every step (objective.random_block_offset, on by default), so the MASK slots
 learn their place from the tokens before them, not from their position mod B: with
-the fixed partition, MARS decoding of the same child at tau 0.9 lost 50 points
-against its AR mode (docs/default.md).
+the fixed partition, MARS decoding of the previous default's child at tau 0.9 lost
+52 points against its AR mode (docs/default.md).
 """
 
 from mars_jax.train_config import base_config

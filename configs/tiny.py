@@ -44,7 +44,7 @@ def get_config():
   c.optimizer.weight_decay = 0.01
   c.optimizer.warmup_ratio = 0.03
   c.train.batch_size = 32
-  c.train.steps = 300
+  c.train.steps = 450                   # 300 left the child's AR mode level with the parent's
   c.train.log_every = 50
   c.train.eval_every = 250
   c.train.eval_batches = 2

@@ -127,19 +127,25 @@ def causal_spans(length: int, chunk: int) -> tuple:
 def two_stream_spans(length: int, stream_length: int, block_size: int, chunk: int) -> tuple:
   """Query chunks of a [clean (L) | noisy target stream (n)] pass and the keys each may
   see (`qwen2.span_attention`): a clean chunk its causal prefix; a noisy chunk the clean
-  row and the noisy slots within B - 1 of it (a noisy query sees only its own block, at
-  most B consecutive slots of the stream), never the noisy slots beyond:
+  keys before the last row position its slots can hold, and the noisy slots within
+  B - 1 of it (a noisy query sees only its own block, at most B consecutive slots of
+  the stream), never the noisy slots beyond:
 
-    queries         keys: clean [0, L)       noisy [L, L + n)
-    clean [q0, q1)        [0, q1)            -
-    noisy [q0, q1)        [0, L)             [q0 - B + 1, q1 + B - 1)
+    queries         keys: clean [0, L)            noisy [L, L + n)
+    clean [q0, q1)        [0, q1)                 -
+    noisy [q0, q1)        [0, q1 - n)  (<= L)     [q0 - B + 1, q1 + B - 1)
+
+  The noisy bound holds for `objective.target_stream`'s layout (packed to the end):
+  stream slot i holds a row position of at most i + L - n, and a noisy token sees
+  clean keys of earlier blocks of its own segment only, all before its own position.
   """
   spans = list(causal_spans(length, chunk))
   end = length + stream_length
   for q0 in range(length, end, chunk):
     q1 = min(q0 + chunk, end)
+    clean = min(length, q1 - stream_length)
     k0, k1 = max(length, q0 - block_size + 1), min(end, q1 + block_size - 1)
-    ranges = ((0, k1),) if k0 == length else ((0, length), (k0, k1))
+    ranges = ((0, k1),) if k0 == clean else ((0, clean), (k0, k1))
     spans.append((q0, q1, ranges))
   return tuple(spans)
 

@@ -205,7 +205,7 @@ def fitting_stream_length(longest: int, block_size: int, row_length: int) -> int
 
 
 def target_stream(f: dict[str, Array], block_size: int, length: int) -> dict[str, Array]:
-  """Each row's target blocks, in row order, packed to the front of `length` slots.
+  """Each row's target blocks, in row order, packed to the end of `length` slots.
 
   f: the fields of `prepare` ([b, L]). -> index: int32[b, length] (the row position
   each slot holds; L on padding slots), valid: bool[b, length], cut: bool[b] (the
@@ -213,16 +213,22 @@ def target_stream(f: dict[str, Array], block_size: int, length: int) -> dict[str
 
     target      . . . . . . T T T T T . . .     (B = 4, L = 14)
     blocks      [0      ] [1      ] [2      ] [3  ]
-    index       4 5 6 7 8 9 10 11 L L ...         (blocks 1 and 2)
+    index       L L 4 5 6 7 8 9 10 11         (blocks 1 and 2, length 10)
+
+  Packed to the end, slot i holds a row position of at most i + L - length (a row
+  skips at most L - kept positions before its kept ones, and starts length - kept
+  slots in), so the noisy queries of slot i see clean keys before that position only:
+  the bound `masks.two_stream_spans` reads.
   """
   keep = _in_target_block(f, block_size)
   b, rows = keep.shape
   rank = jnp.cumsum(keep, axis=1) - 1
-  slot = jnp.where(keep & (rank < length), rank, length)   # out of range: dropped
+  kept = jnp.sum(keep, axis=1)
+  start = jnp.maximum(length - kept, 0)[:, None]              # a cut row starts at 0
+  slot = jnp.where(keep & (rank < length), rank + start, length)   # out of range: dropped
   index = jnp.full((b, length), rows, jnp.int32).at[jnp.arange(b)[:, None], slot].set(
       jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (b, rows)), mode="drop")
-  return {"index": index, "valid": index < rows,
-          "cut": jnp.sum(keep, axis=1) > length}
+  return {"index": index, "valid": index < rows, "cut": kept > length}
 
 
 def _gather(a: Array, stream: dict[str, Array], fill=0) -> Array:
@@ -290,16 +296,18 @@ def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
 
   hidden: [b, t, embed] (final-normed); labels: int32[b, t]
   -> ce: float32[b, t], correct: bool[b, t].
-  With `chunk_size`, the t axis is cut into chunks of that many positions and
-  scanned; each chunk's float32 logits [b, chunk, vocab] are recomputed in the
-  backward pass instead of stored. `chunk_size=None` builds [b, t, vocab] at once.
+  With `chunk_size`, the t axis is cut into the fewest chunks of at most that many
+  positions, of equal size (t = 368, chunk_size 256: two chunks of 184, not 256 and
+  a padded 112), and scanned; each chunk's float32 logits [b, chunk, vocab] are
+  recomputed in the backward pass instead of stored. `chunk_size=None` builds
+  [b, t, vocab] at once.
   """
   head = {k: params[k] for k in ("embedding", "lm_head") if k in params}
   if chunk_size is None:
     return _cross_entropy(qwen2.unembed(config, head, hidden, runtime=runtime), labels)
   b, t, e = hidden.shape
-  c = min(chunk_size, t)
-  n = -(-t // c)
+  n = -(-t // chunk_size)
+  c = -(-t // n)
   pad = n * c - t
   hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, e).swapaxes(0, 1)
   ys = jnp.pad(labels, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)

@@ -317,7 +317,7 @@ def test_target_stream_keeps_the_blocks_that_hold_a_target():
   batch["loss_mask"][0, 6:11] = True
   f = objective.prepare(batch)
   stream = jax.tree.map(np.asarray, objective.target_stream(f, 4, 10))
-  np.testing.assert_array_equal(stream["index"][0], [4, 5, 6, 7, 8, 9, 10, 11, 14, 14])
+  np.testing.assert_array_equal(stream["index"][0], [14, 14, 4, 5, 6, 7, 8, 9, 10, 11])
   np.testing.assert_array_equal(stream["index"][1], [14] * 10)   # row 1 has no target
   np.testing.assert_array_equal(stream["cut"], [False, False])
   np.testing.assert_array_equal(objective.target_block_lengths(f, 4), [8, 0])

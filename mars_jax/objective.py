@@ -59,7 +59,7 @@ class ObjectiveConfig:
   normalization: "sequence" or "token". chunk_size: sequence positions per
   cross-entropy chunk; None computes full logits at once (reference only).
   stream_length: n, the static length of each row's target stream (`target_stream`:
-  the blocks that hold a target, packed to the front): the MARS noisy stream and
+  the blocks that hold a target, packed to the end): the MARS noisy stream and
   the positions unembedded in both streams. None: the row length L (nothing can be
   cut). A row whose target blocks exceed n loses the targets past the first n
   positions (`rows_cut` counts it); the trainer derives an n that fits the data.

@@ -67,7 +67,8 @@ class ObjectiveConfig:
   only: each chunk scores only the keys its rows may see, `masks.causal_spans` and
   `masks.two_stream_spans`); None: every query scores every key (the reference).
   random_block_offset: the train step shifts each row's block partition by a random
-  offset in [0, B) every step (`block_offsets`), and the eval step row i's by i mod B;
+  offset in [0, B) every step, drawn from (seed, step) and the row's tokens
+  (`block_offsets`), and the eval step by one drawn from a fixed key and the tokens;
   False: blocks are position // B, the partition of docs/design.md (mars only).
   """
 
@@ -148,15 +149,23 @@ def prepare(batch: Batch) -> dict[str, Array]:
               block_pos=positions + offset.astype(jnp.int32)[:, None])
 
 
-def block_offsets(key: Array, rows: int, block_size: int) -> Array:
-  """int32[rows]: a random shift in [0, B) of each row's block partition.
+def block_offsets(key: Array, tokens: Array, block_size: int) -> Array:
+  """int32[b]: a random shift in [0, B) of each row's block partition, drawn from `key`
+  and the row's own tokens (int32[b, L]), so a row gets the same shift wherever it
+  sits in the batch and however the batch is split over processes.
 
   With offset o a row's blocks are (position + o) // B, so across steps the masked
   blocks start at every position mod B, as the sampler's MASK slots do (they follow
   whatever token was accepted last). With the fixed partition (o = 0) a small
   model learns its in-block slot from its absolute position mod B, and its MASK
-  proposals fail wherever decoding is not block-aligned (docs/default.md)."""
-  return jax.random.randint(key, (rows,), 0, block_size, jnp.int32)
+  proposals fail wherever decoding is not block-aligned (docs/default.md).
+  The row's tokens enter as sum_j tokens[j] * (2j + 1) * 0x9E3779B1 (mod 2^32): the
+  multipliers are odd, so rows that differ in one token get different hashes."""
+  length = tokens.shape[1]
+  weights = (2 * jnp.arange(length, dtype=jnp.uint32) + 1) * jnp.uint32(0x9E3779B1)
+  row_hash = jnp.sum(tokens.astype(jnp.uint32) * weights, axis=1, dtype=jnp.uint32)
+  draw = lambda h: jax.random.randint(jax.random.fold_in(key, h), (), 0, block_size, jnp.int32)
+  return jax.vmap(draw)(row_hash)
 
 
 def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,

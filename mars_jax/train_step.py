@@ -129,6 +129,17 @@ def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   return grads, sums
 
 
+def _with_block_offsets(objective: objective_lib.ObjectiveConfig, batch: Batch,
+                        key: Array) -> Batch:
+  """The batch with each row's block offset drawn from `key` and its tokens
+  (`objective.block_offsets`) when the objective is MARS with
+  `random_block_offset`; otherwise the batch as it is."""
+  if objective.kind != "mars" or not objective.random_block_offset:
+    return batch
+  return {**batch, "block_offset": objective_lib.block_offsets(key, batch["tokens"],
+                                                               objective.block_size)}
+
+
 def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
                     tx: optax.GradientTransformation, mesh: Mesh, *, micro_batches: int = 1,
                     learning_rate_fn: optax.Schedule | None = None,
@@ -140,8 +151,9 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
   batch: {"tokens": int32[b, L], "loss_mask": bool[b, L]} (+ "segment_ids",
   "positions"), b the global batch, divisible by micro_batches and by each
   micro-batch's share of the (data, fsdp) devices. `objective.kind` picks MARS or
-  AR-SFT; with `objective.random_block_offset` the rows' block offsets are drawn
-  from (seed, step), so a resumed run draws the same ones. metrics: float32
+  AR-SFT; with `objective.random_block_offset` each row's block offset is drawn
+  from (seed, step) and the row's tokens (`objective.block_offsets`), so a resumed
+  run, or one on another number of processes, draws the same ones. metrics: float32
   scalars from `objective.finalize` plus grad_norm (before clipping) and, with
   `learning_rate_fn`, the learning rate of this step.
   The input state is donated.
@@ -159,10 +171,8 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
           f"batch size {rows} must be divisible by micro_batches ({micro_batches}) x "
           f"the batch's device split ({batch_shards}: data x fsdp), so that every "
           "micro-batch splits over the devices.")
-    if objective.kind == "mars" and objective.random_block_offset:
-      key = jax.random.fold_in(jax.random.key(seed), state.step)
-      batch = {**batch, "block_offset": objective_lib.block_offsets(
-          key, rows, objective.block_size)}
+    batch = _with_block_offsets(objective, batch,
+                                jax.random.fold_in(jax.random.key(seed), state.step))
     with sharding.activation_sharding(mesh, rules):
       grads, sums = loss_and_grads(model_config, objective, state.params, batch,
                                    micro_batches=micro_batches,
@@ -187,16 +197,14 @@ def make_eval_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   """The jitted `(params, batch) -> sums` of the objective (no gradient).
 
   Add the sums of several batches and call `objective.finalize` for their loss
-  and metrics over the whole set. With `objective.random_block_offset`, row i's
-  blocks are shifted by i mod B (every alignment, the same on every call).
+  and metrics over the whole set. With `objective.random_block_offset`, each row's
+  blocks are shifted by `objective.block_offsets` of a fixed key and the row's tokens
+  (the same on every call, on any number of processes).
   """
   params_sharding = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
 
   def evaluate(params, batch):
-    if objective.kind == "mars" and objective.random_block_offset:
-      rows = batch["tokens"].shape[0]
-      batch = {**batch, "block_offset": jnp.arange(rows, dtype=jnp.int32)
-               % objective.block_size}
+    batch = _with_block_offsets(objective, batch, jax.random.key(0))
     with sharding.activation_sharding(mesh, rules):
       return objective_lib.objective_sums(model_config, params, batch, objective,
                                           runtime=runtime)

@@ -432,14 +432,23 @@ def test_shifted_blocks_equal_separate_passes_row_by_row(attention_chunk):
   assert abs(float(unshifted) - float(loss)) > 1e-3     # the offsets change the blocks
 
 
-def test_random_block_offsets_are_drawn_from_seed_and_step():
+def test_random_block_offsets_are_drawn_from_seed_step_and_row():
   """The train step's offsets: in [0, B), every offset drawn, the same for the same
-  (seed, step) (a resumed run), others for the next step; the eval step's are i mod B."""
-  draw = lambda seed, step: np.asarray(objective.block_offsets(
-      jax.random.fold_in(jax.random.key(seed), step), 64, 4))
+  (seed, step) (a resumed run), others for the next step or seed; each row's from its
+  own tokens: the same wherever the row sits and whatever rows are beside it (a run on
+  another number of processes), another for a row that differs in one token."""
+  tokens = np.random.default_rng(0).integers(0, 1000, (64, 16)).astype(np.int32)
+  draw = lambda seed, step, t=tokens: np.asarray(objective.block_offsets(
+      jax.random.fold_in(jax.random.key(seed), step), t, 4))
   a = draw(0, 7)
   assert a.min() == 0 and a.max() == 3 and set(a.tolist()) == {0, 1, 2, 3}
   assert (a == draw(0, 7)).all() and not (a == draw(0, 8)).all()
   assert not (a == draw(1, 7)).all()
+  order = np.random.default_rng(1).permutation(64)
+  np.testing.assert_array_equal(draw(0, 7, tokens[order]), a[order])
+  np.testing.assert_array_equal(draw(0, 7, tokens[5:9]), a[5:9])
+  one_token = np.repeat(tokens[:1], 32, axis=0)
+  one_token[:, 3] = np.arange(32)                         # rows that differ in one token
+  assert len(set(draw(0, 7, one_token).tolist())) > 1
   with pytest.raises(ValueError, match="one offset per row"):
     objective.prepare({**ragged_batch(), "block_offset": np.zeros((2,), np.int32)})

@@ -182,8 +182,8 @@ def test_bfloat16_compute_keeps_float32_master_params():
 
 
 def test_random_block_offsets_of_the_train_and_eval_steps():
-  """The train step's loss is the objective's with the offsets of (seed, step); the eval
-  step's is the objective's with row i shifted by i mod B."""
+  """The train step's loss is the objective's with the offsets of (seed, step) and each
+  row's tokens; the eval step's is the objective's with those of a fixed key."""
   config = tiny_config()
   obj = objective.ObjectiveConfig(block_size=4, mask_token_id=MASK, random_block_offset=True)
   # weights 4x the init's, so that which blocks a row has moves the loss well above TOL
@@ -195,12 +195,12 @@ def test_random_block_offsets_of_the_train_and_eval_steps():
       config, p, {**batch, "block_offset": o}, block_size=4, mask_token_id=MASK)[0])
   state = train_step.init_train_state(config, make_tx(), mesh, params=params)
   _, metrics = train_step.make_train_step(config, obj, make_tx(), mesh, seed=5)(state, batch)
-  drawn = objective.block_offsets(jax.random.fold_in(jax.random.key(5), 0), 8, 4)
+  drawn = objective.block_offsets(jax.random.fold_in(jax.random.key(5), 0), batch["tokens"], 4)
   assert abs(float(metrics["loss"]) - float(loss_with(params, drawn))) < TOL
   sums = train_step.make_eval_step(config, obj, mesh)(params, batch)
-  cyclic = np.arange(8, dtype=np.int32) % 4
-  assert abs(float(objective.finalize(sums)[0]) - float(loss_with(params, cyclic))) < TOL
-  assert abs(float(loss_with(params, cyclic)) - float(loss_with(params, 0 * cyclic))) > 1e-4
+  fixed = objective.block_offsets(jax.random.key(0), batch["tokens"], 4)
+  assert abs(float(objective.finalize(sums)[0]) - float(loss_with(params, fixed))) < TOL
+  assert abs(float(loss_with(params, fixed)) - float(loss_with(params, 0 * fixed))) > 1e-4
 
 
 def test_eval_step_sums_add_up_to_the_loss_of_the_whole_set():

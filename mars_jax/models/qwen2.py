@@ -172,19 +172,30 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
 
   q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: bool[b, t, s] -> [b, t, heads, d].
   A query whose mask row is all False gets a uniform average instead of NaN.
+
+  "xla" computes it head-major, [b, kv_heads, group * t, d] against [b, kv_heads, s, d]
+  (two batch dims and one row dim, the layout XLA:CPU's batched matmul takes as it is),
+  with the softmax's division moved after the value product: out = (e @ v) / sum(e),
+  e = exp(scores + bias - max), the mask an additive bias and the max a constant to the
+  gradient. The [t, s] tensors then see one elementwise pass forward and two backward
+  (docs/performance.md, "Fifth round").
   """
   if impl != "xla":
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None], implementation="cudnn" if impl == "cudnn" else None)
   b, t, h, d = q.shape
-  kvh = k.shape[2]
-  qg = q.reshape(b, t, kvh, h // kvh, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
-                      preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, h, d)
+  s, kvh = k.shape[1], k.shape[2]
+  g = h // kvh
+  qh = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)
+  kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv_heads, s, d]
+  scores = jnp.einsum("bkqd,bksd->bkqs", qh.reshape(b, kvh, g * t, d), kh,
+                      preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
+  scores = scores + jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
+  e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+  out = jnp.einsum("bkqs,bksd->bkqd", e.reshape(b, kvh, g * t, s).astype(v.dtype), vh,
+                   preferred_element_type=jnp.float32).reshape(b, kvh, g, t, d)
+  out = out / jnp.sum(e, axis=-1)[..., None]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(v.dtype)
 
 
 def span_attention(q: Array, k: Array, v: Array, mask: Array, spans: Spans) -> Array:

@@ -289,6 +289,19 @@ def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
+def prefill(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
+            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
+            mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
+            runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+  """`start`, then the first forward: the whole prompt as pending tokens, so it yields
+  the first `window` proposals too (arguments as `decode`) -> the state after it."""
+  state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len,
+                runtime=runtime)
+  return advance(config, runtime, params, state, eos_ids, mask_token_id,
+                 real_slots=prompt.shape[1], window=window, mode=mode)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
            mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
@@ -302,10 +315,10 @@ def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
   cache_len: S >= max(prompt_len + max_new_tokens) + window - 1.
   -> the final `DecodeState`; sample i generated seq[i, prompt_len[i]:length[i]].
   """
-  state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len,
-                runtime=runtime)
+  state = prefill(config, params, prompt, prompt_len, max_new_tokens, tau, metric, eos_ids,
+                  mask_token_id, window=window, mode=mode, cache_len=cache_len,
+                  runtime=runtime)
   step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
-                           mask_token_id=mask_token_id, window=window, mode=mode)
-  state = step(state, real_slots=prompt.shape[1])
-  return jax.lax.while_loop(lambda st: jnp.any(~st.done),
-                            functools.partial(step, real_slots=window), state)
+                           mask_token_id=mask_token_id, window=window, mode=mode,
+                           real_slots=window)
+  return jax.lax.while_loop(lambda st: jnp.any(~st.done), step, state)

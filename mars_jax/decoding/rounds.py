@@ -25,6 +25,7 @@ from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, Measure, WindowPolicy
 
 Policy = WindowPolicy | FixedWindow
+MAX_ROUND_GROWTH = 8  # generate_with_policy: rounds grow to at most 8 x policy.round_steps
 
 
 class Progress(NamedTuple):
@@ -44,11 +45,11 @@ def progress(state: DecodeState) -> Progress:
 def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
               eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
               before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
-              stop_on_finish: bool = False, runtime: Runtime = DEFAULT_RUNTIME
-              ) -> tuple[DecodeState, int, Progress]:
-  """One round: W for the state's batch, then `policy.round_steps` steps (the first
-  `wide_steps` of them `real_slots` wide when that exceeds W, to prefill new rows),
-  and the acceptance seen reported to the policy.
+              stop_on_finish: bool = False, steps: int | None = None,
+              runtime: Runtime = DEFAULT_RUNTIME) -> tuple[DecodeState, int, Progress]:
+  """One round: W for the state's batch, then `steps` steps (`policy.round_steps` by
+  default; the first `wide_steps` of them `real_slots` wide when that exceeds W, to
+  prefill new rows), and the acceptance seen reported to the policy.
   before: the state's `progress` when the caller has it.
   -> (new state, W, its progress)."""
   b, cache_len = state.seq.shape
@@ -57,7 +58,7 @@ def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *
   call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
                            mask_token_id=np.int32(mask_token_id), window=window, mode=mode,
                            runtime=runtime)
-  steps = policy.round_steps
+  steps = steps or policy.round_steps
   if real_slots > window:
     state = call(state=state, max_steps=np.int32(wide_steps), stop_on_finish=np.bool_(False),
                  real_slots=real_slots)
@@ -81,22 +82,26 @@ def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
   (so it compiles once per prompt bucket): the largest W in lossless mode (its
   drafts are cut to the W chosen next), 1 in gated mode (accepted tokens would
   otherwise exceed a smaller W's slots)."""
-  state = loop.start(config, prompts.prompt, prompts.prompt_len, prompts.max_new_tokens,
-                     prompts.tau, prompts.metric,
-                     cache_len=prompts.cache_len(max(policy.windows)), runtime=runtime)
   eos_ids = batching.eos_array(eos_token_ids)
   prefill_window = max(policy.windows) if mode == "lossless" else 1
-  state = loop.run_steps(config, params, state, eos_ids, np.int32(mask_token_id), np.int32(1),
-                         np.bool_(False), window=prefill_window,
-                         real_slots=prompts.prompt.shape[1], mode=mode, runtime=runtime)
+  state = loop.prefill(config, params, prompts.prompt, prompts.prompt_len,
+                       prompts.max_new_tokens, prompts.tau, prompts.metric, eos_ids,
+                       np.int32(mask_token_id), window=prefill_window, mode=mode,
+                       cache_len=prompts.cache_len(max(policy.windows)), runtime=runtime)
   measure = timing.measure_fn(config, params, mode=mode, mask_token_id=mask_token_id,
                               runtime=runtime)
   used = {prefill_window: 1}
   now = progress(state)
+  steps, last = policy.round_steps, None
   while not np.all(now.done[:n]):
     steps0 = now.steps
     state, window, now = run_round(config, params, state, policy, eos_ids=eos_ids,
                                    mask_token_id=mask_token_id, mode=mode, measure=measure,
-                                   before=now, runtime=runtime)
+                                   before=now, steps=steps, runtime=runtime)
     used[window] = used.get(window, 0) + now.steps - steps0
+    # The same W again: the next round runs twice as long (up to MAX_ROUND_GROWTH x
+    # round_steps), so a steady choice pays fewer host round trips; a new W resets it.
+    steps = (min(2 * steps, MAX_ROUND_GROWTH * policy.round_steps) if window == last
+             else policy.round_steps)
+    last = window
   return batching.results(state, n, used)

@@ -241,23 +241,36 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   """
   b, t, h, d = q.shape
   kvh, slots = cache_k.shape[2], cache_k.shape[3]
+  g = h // kvh
   live = write_index < slots
   written = jnp.any((write_index[:, :, None] == jnp.arange(slots)) & live[..., None], axis=1)
   at_slot = jnp.broadcast_to(jnp.where(live, write_index, 0)[:, None, :], (b, t, t))
   mask_new = jnp.take_along_axis(mask, at_slot, axis=2) & live[:, None, :]
   mask_old = mask & ~written[:, None, :]
-  qg = q.reshape(b, t, kvh, h // kvh, d) / jnp.sqrt(d).astype(q.dtype)
-  neg = jnp.finfo(jnp.float32).min
+  # head-major queries [b, kv_heads, group * t, d], transposed once, outside the block loop
+  qh = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)
+  qh = qh.reshape(b, kvh, g * t, d)
+  # Masked scores get the bias finfo.min; the running max starts at `floor`, far below any
+  # real score and far above a biased one, so exp(biased - max) is exactly 0 with no select,
+  # and a query that has seen nothing keeps sum 0.
+  floor = jnp.float32(-1e30)
 
-  def update(carry, scores, visible, values, spec):
-    """Online softmax: fold one block of scores [b, k, g, t, n] into (max, sum, acc)."""
+  def scores_of(keys):
+    """keys: [b, kv_heads, n, d] -> float32 scores [b, kv_heads, group, t, n]."""
+    return jnp.einsum("bkqd,bksd->bkqs", qh, keys,
+                      preferred_element_type=jnp.float32).reshape(b, kvh, g, t, -1)
+
+  def update(carry, scores, visible, values):
+    """Online softmax: fold one block of scores [b, k, g, t, n] (values [b, k, n, d];
+    visible: bool[b, t, n]) into (max, sum, acc)."""
     m, l, acc = carry
-    scores = jnp.where(visible[:, None, None], scores, neg)
+    scores = scores + jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-    p = jnp.where(visible[:, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
+    p = jnp.exp(scores - m_new[..., None])
     decay = jnp.exp(m - m_new)
-    acc = acc * decay[..., None] + jnp.einsum(spec, p.astype(values.dtype), values,
-                                              preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkqs,bksd->bkqd", p.reshape(b, kvh, g * t, -1).astype(values.dtype),
+                    values, preferred_element_type=jnp.float32)
+    acc = acc * decay[..., None] + pv.reshape(b, kvh, g, t, d)
     return m_new, l * decay + jnp.sum(p, axis=-1), acc
 
   def block(i, carry):
@@ -265,18 +278,17 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
     ks, vs = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kvh, chunk, d))[0]
               .astype(q.dtype) for c in (cache_k, cache_v))
     seen = jax.lax.dynamic_slice_in_dim(mask_old, start, chunk, axis=2)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, ks, preferred_element_type=jnp.float32)
-    return update(carry, scores, seen, vs, "bkgts,bksd->bkgtd")
+    return update(carry, scores_of(ks), seen, vs)
 
-  init = (jnp.full((b, kvh, h // kvh, t), neg, jnp.float32),
-          jnp.zeros((b, kvh, h // kvh, t), jnp.float32),
-          jnp.zeros((b, kvh, h // kvh, t, d), jnp.float32))
+  init = (jnp.full((b, kvh, g, t), floor, jnp.float32),
+          jnp.zeros((b, kvh, g, t), jnp.float32),
+          jnp.zeros((b, kvh, g, t, d), jnp.float32))
   if slots % chunk:
     chunk = slots
   seen_slots = jnp.max(jnp.where(jnp.any(mask_old, axis=(0, 1)), jnp.arange(slots) + 1, 0))
   carry = jax.lax.fori_loop(0, (seen_slots + chunk - 1) // chunk, block, init)
-  s_new = jnp.einsum("btkgd,bjkd->bkgtj", qg, k, preferred_element_type=jnp.float32)
-  _, l, acc = update(carry, s_new, mask_new, v, "bkgtj,bjkd->bkgtd")
+  kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # this step's, [b, k, t, d]
+  _, l, acc = update(carry, scores_of(kh), mask_new, vh)
   out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(v.dtype)
 

@@ -225,6 +225,18 @@ def test_cost_table_file_and_lookup(tmp_path):
   assert AcceptanceStats(prior_forwards=2.0).tokens_per_forward(4) == 4.0
 
 
+def test_policy_rounds_double_while_the_window_stays(model):
+  """A W chosen again runs a round twice as long (2, 4, 8, ... steps), so the 13 steps
+  after the prefill take 3 rounds, not 7; the output is the fixed-window output."""
+  config, params = model
+  kw = dict(max_new_tokens=14, mask_token_id=MASK_ID, eos_token_ids=())
+  policy = WindowPolicy((1, 3), _table(4, 32, {1: 1.0, 3: 9.0}), round_steps=2)
+  out = sampling.generate(config, params, PROMPTS, window="auto", policy=policy, **kw)
+  assert out.tokens == sampling.generate(config, params, PROMPTS, window=1, **kw).tokens
+  assert out.windows == {1: 14}
+  assert [w for _, _, w in policy.choices] == [1, 1, 1]
+
+
 @pytest.mark.slow  # ~20 s; the policy's choice rules have their own fast tests
 def test_auto_window_follows_the_cost_table(trained, model, eos_ids, greedy_ref):
   """Lossless output is greedy AR whatever W the policy picks; the table decides W."""

@@ -6,7 +6,8 @@ A round is one policy decision: W for the state's batch bucket, then
 `policy.round_steps` steps of `loop.run_steps` (the first ones wider when new rows
 need a prefill), then the acceptance seen reported back to the policy. Each round
 ends in one host round trip (`progress`). `generate_with_policy` runs rounds until
-every prompt is done; `mars_jax.serve` runs one per `Server.step`.
+every prompt is done, each twice as long as the one before while W stays the same;
+`mars_jax.serve` runs one per `Server.step`.
 """
 
 from __future__ import annotations
@@ -99,9 +100,10 @@ def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
                                    mask_token_id=mask_token_id, mode=mode, measure=measure,
                                    before=now, steps=steps, runtime=runtime)
     used[window] = used.get(window, 0) + now.steps - steps0
-    # The same W again: the next round runs twice as long (up to MAX_ROUND_GROWTH x
-    # round_steps), so a steady choice pays fewer host round trips; a new W resets it.
-    steps = (min(2 * steps, MAX_ROUND_GROWTH * policy.round_steps) if window == last
-             else policy.round_steps)
+    # While W stays what it was, each round runs twice as long as the one before (up to
+    # MAX_ROUND_GROWTH x round_steps), so a steady choice pays fewer host round trips;
+    # a round at a new W sets the next one back to round_steps.
+    steps = (min(2 * steps, MAX_ROUND_GROWTH * policy.round_steps)
+             if last in (None, window) else policy.round_steps)
     last = window
   return batching.results(state, n, used)

@@ -167,6 +167,12 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   return out.astype(x.dtype)
 
 
+def _mask_bias(mask: Array) -> Array:
+  """bool[b, t, s] -> float32[b, 1, 1, t, s]: 0 where a query may attend, finfo.min where
+  not, added to scores laid out [b, kv_heads, group, t, s]."""
+  return jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
+
+
 def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   """Grouped-query attention.
 
@@ -190,7 +196,7 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv_heads, s, d]
   scores = jnp.einsum("bkqd,bksd->bkqs", qh.reshape(b, kvh, g * t, d), kh,
                       preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
-  scores = scores + jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
+  scores = scores + _mask_bias(mask)
   e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
   out = jnp.einsum("bkqs,bksd->bkqd", e.reshape(b, kvh, g * t, s).astype(v.dtype), vh,
                    preferred_element_type=jnp.float32).reshape(b, kvh, g, t, d)
@@ -264,7 +270,7 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
     """Online softmax: fold one block of scores [b, k, g, t, n] (values [b, k, n, d];
     visible: bool[b, t, n]) into (max, sum, acc)."""
     m, l, acc = carry
-    scores = scores + jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min)[:, None, None]
+    scores = scores + _mask_bias(visible)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     p = jnp.exp(scores - m_new[..., None])
     decay = jnp.exp(m - m_new)

@@ -9,8 +9,9 @@ to WORKDIR/hf.
 
 What makes it learn in minutes: the "words" tokenizer (whole words, single digits:
 ~55 tokens an example instead of 109 bytes), rows of 64, a 1.9M-parameter model
-with its layers unrolled (faster than a layer scan on CPU), many small steps (batch
-32) with AdamW at beta2 0.95, and the easy task (operands up to 20), whose ~6,850
+whose layer scan keeps only the projections' outputs for the backward pass (remat
+"dots_with_no_batch_dims": on CPU the fastest step and the least memory of the scan
+and unrolled runtimes, docs/performance.md), many small steps (batch 32) with AdamW at beta2 0.95, and the easy task (operands up to 20), whose ~6,850
 training problems stage 1 sees about 6 times. Stage 2 runs at half stage 1's
 learning rate with the AR term weighted 3x, and shifts each row's blocks by a random
 offset every step (objective.random_block_offset, on by default), so the MASK slots
@@ -29,7 +30,7 @@ def get_config():
                                 num_attention_heads=4, num_key_value_heads=2,
                                 max_position_embeddings=512, tie_word_embeddings=True,
                                 rope_theta=10000.0))
-  c.model.scan_layers = False
+  c.model.remat = "dots_with_no_batch_dims"  # with the layer scan: see the docstring
   c.tokenizer = "words"
   c.data.max_length = 64
   c.data.synthetic.difficulty = "easy"   # small numbers: learnable in minutes

@@ -86,7 +86,8 @@ def test_resume_keeps_the_recorded_precision(straight):
   with open(os.path.join(straight, "layout.json")) as f:
     runtime = json.load(f)["runtime"]
   assert runtime["dtype"] == "float32"
-  assert runtime["scan_layers"] is False          # configs/tiny.py unrolls its layers
+  assert runtime["scan_layers"] is True           # configs/tiny.py scans its layers,
+  assert runtime["remat"] == "dots_with_no_batch_dims"  # keeping the projections' outputs
   r = train(straight, "--config.train.steps=7", "--config.model.dtype=bfloat16", check=False)
   assert r.returncode != 0
   assert "runtime.dtype: checkpoint has 'float32', config asks 'bfloat16'" in r.stderr

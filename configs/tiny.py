@@ -11,8 +11,9 @@ What makes it learn in minutes: the "words" tokenizer (whole words, single digit
 ~55 tokens an example instead of 109 bytes), rows of 64, a 1.9M-parameter model
 whose layer scan keeps only the projections' outputs for the backward pass (remat
 "dots_with_no_batch_dims": on CPU the fastest step and the least memory of the scan
-and unrolled runtimes, docs/performance.md), many small steps (batch 32) with AdamW at beta2 0.95, and the easy task (operands up to 20), whose ~6,850
-training problems stage 1 sees about 6 times. Stage 2 runs at half stage 1's
+and unrolled runtimes, docs/performance.md), many small steps (batch 32) with AdamW
+at beta2 0.95, and the easy task (operands up to 20), whose ~6,850 training problems
+stage 1 sees about 6 times. Stage 2 runs at half stage 1's
 learning rate with the AR term weighted 3x, and shifts each row's blocks by a random
 offset every step (objective.random_block_offset, on by default), so the MASK slots
 learn their place from the tokens before them, not from their position mod B: with

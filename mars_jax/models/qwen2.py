@@ -167,6 +167,20 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   return out.astype(x.dtype)
 
 
+def _queries_head_major(q: Array, kv_heads: int) -> Array:
+  """q: [b, t, heads, d] -> scaled queries [b, kv_heads, group * t, d] (group = heads /
+  kv_heads), the row layout both attentions multiply against [b, kv_heads, s, d] keys."""
+  b, t, h, d = q.shape
+  qh = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, t, kv_heads, h // kv_heads, d)
+  return qh.transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, h // kv_heads * t, d)
+
+
+def _heads_back(out: Array) -> Array:
+  """[b, kv_heads, group, t, d] -> [b, t, heads, d]."""
+  b, kvh, g, t, d = out.shape
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * g, d)
+
+
 def _mask_bias(mask: Array) -> Array:
   """bool[b, t, s] -> float32[b, 1, 1, t, s]: 0 where a query may attend, finfo.min where
   not, added to scores laid out [b, kv_heads, group, t, s]."""
@@ -192,16 +206,14 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   b, t, h, d = q.shape
   s, kvh = k.shape[1], k.shape[2]
   g = h // kvh
-  qh = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv_heads, s, d]
-  scores = jnp.einsum("bkqd,bksd->bkqs", qh.reshape(b, kvh, g * t, d), kh,
+  scores = jnp.einsum("bkqd,bksd->bkqs", _queries_head_major(q, kvh), kh,
                       preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
   scores = scores + _mask_bias(mask)
   e = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
   out = jnp.einsum("bkqs,bksd->bkqd", e.reshape(b, kvh, g * t, s).astype(v.dtype), vh,
                    preferred_element_type=jnp.float32).reshape(b, kvh, g, t, d)
-  out = out / jnp.sum(e, axis=-1)[..., None]
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(v.dtype)
+  return _heads_back(out / jnp.sum(e, axis=-1)[..., None]).astype(v.dtype)
 
 
 def span_attention(q: Array, k: Array, v: Array, mask: Array, spans: Spans) -> Array:
@@ -253,9 +265,7 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   at_slot = jnp.broadcast_to(jnp.where(live, write_index, 0)[:, None, :], (b, t, t))
   mask_new = jnp.take_along_axis(mask, at_slot, axis=2) & live[:, None, :]
   mask_old = mask & ~written[:, None, :]
-  # head-major queries [b, kv_heads, group * t, d], transposed once, outside the block loop
-  qh = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)
-  qh = qh.reshape(b, kvh, g * t, d)
+  qh = _queries_head_major(q, kvh)  # transposed once, outside the block loop
   # Masked scores get the bias finfo.min; the running max starts at `floor`, far below any
   # real score and far above a biased one, so exp(biased - max) is exactly 0 with no select,
   # and a query that has seen nothing keeps sum 0.
@@ -295,8 +305,8 @@ def cached_attention(q: Array, k: Array, v: Array, cache_k: Array, cache_v: Arra
   carry = jax.lax.fori_loop(0, (seen_slots + chunk - 1) // chunk, block, init)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # this step's, [b, k, t, d]
   _, l, acc = update(carry, scores_of(kh), mask_new, vh)
-  out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(v.dtype)
+  return _heads_back(acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
+                     ).astype(v.dtype)
 
 
 class Attention(nn.Module):

@@ -19,7 +19,7 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from mars_jax import evaluate, hf, train_config, trainer
+from mars_jax import checkpoint, evaluate, hf, train_config, trainer
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.tokenizer import BUILDERS
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model
@@ -27,9 +27,14 @@ from mars_jax.loading import LoadedModel, eos_token_ids, load_model
 _LOG = logging.getLogger(__name__)
 
 
+def _config_ids(config) -> set[int]:
+  return {i for i in (config.bos_token_id, *config.eos_token_ids) if i is not None}
+
+
 def _model_and_tokenizer(cfg, runtime):
   """-> (model config, params in `runtime`'s layout or None for random init, tokenizer,
-  mask id)."""
+  mask id). A tokenizer given with `tokenizer` for a model that has its own must have
+  every added and special token of the model's own (hf.check_covers)."""
   init = cfg.model.init
   if init == "random":
     if cfg.tokenizer in (None, *BUILDERS):
@@ -40,13 +45,27 @@ def _model_and_tokenizer(cfg, runtime):
           eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
       return config, None, tok, tok.convert_tokens_to_ids(hf.MASK_TOKEN)
     config = train_config.random_model_config(cfg)
-    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size)
+    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size,
+                                     reserved_ids=_config_ids(config))
     return config, None, tok, mask_id
   loaded = load_model(init, runtime=runtime)
   if cfg.tokenizer not in (None, *BUILDERS):  # an embedded name: the model's own tokenizer
-    tok, mask_id = hf.load_tokenizer(cfg.tokenizer, loaded.config.vocab_size)
+    tok, mask_id = hf.load_tokenizer(
+        cfg.tokenizer, loaded.config.vocab_size, reserved_ids=_config_ids(loaded.config),
+        model_tokenizer=loaded.tokenizer, model_where=f"model.init={init}")
     return loaded.config, loaded.params, tok, mask_id
   return loaded.config, loaded.params, loaded.tokenizer, loaded.mask_token_id
+
+
+def source_generation_config(init: str) -> dict | None:
+  """The generation_config.json of model.init: an HF directory's own, or the one a run
+  saved with its tokenizer (None for random init, or when there is none)."""
+  if init == "random":
+    return None
+  if os.path.isfile(os.path.join(init, "config.json")):
+    return hf.read_generation_config(init)
+  run_dir = checkpoint.resolve_checkpoint(init)[0]
+  return hf.read_generation_config(checkpoint.tokenizer_dir(run_dir))
 
 
 def stage1_config(cfg):
@@ -71,13 +90,15 @@ def run(cfg, workdir: str) -> dict:
     hf.check_export_target(os.path.join(workdir, "hf"), overwrite=True)
   runtime = train_config.runtime(cfg)
   config, params, tok, mask_id = _model_and_tokenizer(cfg, runtime)
+  generation_config = source_generation_config(cfg.model.init)
   summary: dict = {"stages": {}}
   stages = [("stage1", stage1_config(cfg)), ("stage2", cfg)] if cfg.stage1.enabled else [
       ("main", cfg)]
   models = {}
   for name, stage_cfg in stages:
     run_dir = workdir if name == "main" else os.path.join(workdir, name)
-    res = trainer.run_stage(stage_cfg, run_dir, config, runtime, params, tok, mask_id)
+    res = trainer.run_stage(stage_cfg, run_dir, config, runtime, params, tok, mask_id,
+                            generation_config=generation_config)
     params = res.params
     models[name] = params
     summary["stages"][name] = {"run_dir": run_dir, "wall_s": res.wall_s,
@@ -104,7 +125,7 @@ def run(cfg, workdir: str) -> dict:
       # overwrite: WORKDIR/hf is this run's own export (a rerun re-exports there); a
       # directory there without the export marker is still refused, untouched.
       hf.save_pretrained(config, final, out, tokenizer=tok, dtype=cfg.train.export_dtype,
-                         overwrite=True,
+                         overwrite=True, generation_config=generation_config,
                          source={"run_dir": workdir, "objective": {
                              k: cfg.objective[k] for k in ("kind", "block_size")}})
       # after the weights (save_pretrained replaces `out`): the data it trained on, which

@@ -2,7 +2,9 @@
 
 Writes a training checkpoint (from any number of processes) as a Hugging Face
 directory that `transformers.AutoModelForCausalLM` loads, with the run's tokenizer
-(which knows `<|mask|>`) when the run saved one.
+(which knows `<|mask|>`; files transformers 5.x and 4.5x both read) and the source
+checkpoint's generation_config.json when the run saved them. Permissions follow the
+umask.
 
 --out must be new or empty, or an earlier export by mars_jax with --overwrite; it
 may not be inside the run or the model the run started from (its `model.init`), nor
@@ -61,6 +63,7 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
     tokenizer, _ = hf.load_tokenizer(tok_dir, config.vocab_size)
   hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
                      max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
+                     generation_config=hf.read_generation_config(tok_dir),
                      source={"run_dir": run_dir, "step": step,
                              "objective": layout.get("objective", {})})
   task = synthetic.load_task_settings(run_dir)

@@ -38,6 +38,7 @@ _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 EXPORT_MARKER = "mars_jax_export.json"  # in every export: marks a directory as ours
+GENERATION_CONFIG = "generation_config.json"
 _MARKER_FORMAT = "mars_jax_export"
 
 
@@ -261,7 +262,8 @@ def _parse_size(size: int | str) -> int:
 def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
                     max_shard_size: int | str = "5GB", dtype: str | None = None,
                     progress: bool = False, overwrite: bool = False,
-                    source: dict | None = None) -> None:
+                    source: dict | None = None,
+                    generation_config: dict | None = None) -> None:
   """Writes an HF directory loadable by `Qwen2ForCausalLM` / `Qwen3ForCausalLM` (the
   config's family) `.from_pretrained`.
 
@@ -272,7 +274,11 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
   once the new one is complete.
 
   Shards of at most `max_shard_size` bytes (plus an index) or one `model.safetensors`;
-  config.json, generation_config.json, and the tokenizer files when given. Tied
+  config.json, generation_config.json (`generation_config`, the source checkpoint's
+  with its eos list and sampling defaults, when given; else bos/eos of the config and
+  greedy), and the tokenizer files when given (`save_tokenizer`: readable by
+  transformers 5.x and 4.5x); the marker records the `<|mask|>` id. Directory and
+  files get the permissions the umask gives, as any file a user writes. Tied
   embeddings write no `lm_head.weight`. `dtype`: storage dtype of the written weights
   (default: the params'). Written to a temporary sibling directory and
   renamed into place, so an interrupted export never leaves a half-written `path`.
@@ -295,6 +301,7 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
   try:
+    os.chmod(tmp, 0o777 & ~_umask())   # mkdtemp makes it 0700 whatever the umask
     names = ([_SINGLE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     weight_map = {}
@@ -315,12 +322,18 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
                    "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config.to_hf_dict(torch_dtype=dtype), f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-      json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf_dict()[
-          "eos_token_id"], "do_sample": False}, f, indent=2)
+    if generation_config is None:
+      generation_config = {"bos_token_id": config.bos_token_id,
+                           "eos_token_id": config.to_hf_dict()["eos_token_id"],
+                           "do_sample": False}
+    with open(os.path.join(tmp, GENERATION_CONFIG), "w") as f:
+      json.dump(generation_config, f, indent=2)
+    mask_id = None
     if tokenizer is not None:
-      tokenizer.save_pretrained(tmp)
-    _write_marker(tmp, dtype=dtype, source=source)
+      save_tokenizer(tokenizer, tmp)
+      if MASK_TOKEN in tokenizer.get_vocab():
+        mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    _write_marker(tmp, dtype=dtype, source=source, mask_token_id=mask_id)
     _move_into_place(tmp, path, overwrite=overwrite)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -364,9 +377,17 @@ def check_export_target(path: str, *, overwrite: bool = False) -> None:
         "replace it, or another --out.")
 
 
-def _write_marker(tmp: str, *, dtype: str, source: dict | None) -> None:
+def _umask() -> int:
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def _write_marker(tmp: str, *, dtype: str, source: dict | None,
+                  mask_token_id: int | None) -> None:
   record = {"format": _MARKER_FORMAT, "version": 1, "dtype": dtype,
-            "files": sorted(os.listdir(tmp)), "source": source or {}}
+            "files": sorted(os.listdir(tmp)), "source": source or {},
+            "mask_token": MASK_TOKEN, "mask_token_id": mask_token_id}
   with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
     json.dump(record, f, indent=2, sort_keys=True)
 
@@ -402,11 +423,105 @@ def _progress(total: int, enabled: bool):
 # ---- tokenizer ----------------------------------------------------------------------
 
 
-def load_tokenizer(path: str, vocab_size: int | None = None):
+# transformers 5 spellings in tokenizer_config.json that 4.x (still pinned by many serving
+# stacks) cannot read, and the spelling both read.
+_TOKENIZER_CLASS_4X = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+_LOAD_ONLY_KEYS = ("backend", "is_local", "local_files_only")
+
+
+def save_tokenizer(tokenizer, path: str, *, generation_config: dict | None = None) -> None:
+  """Writes `tokenizer` to `path` so that transformers 5.x and 4.5x both load it with the
+  same ids and chat template, and `generation_config` (when given) as
+  generation_config.json.
+
+  transformers 5 writes extra special tokens as a list (4.x expects a dict and fails on
+  it) and its own tokenizer class name; both are rewritten to the spelling both read
+  (`additional_special_tokens`, `PreTrainedTokenizerFast`)."""
+  tokenizer.save_pretrained(path)
+  config_path = os.path.join(path, "tokenizer_config.json")
+  with open(config_path) as f:
+    config = json.load(f)
+  extra = config.pop("extra_special_tokens", None)
+  if isinstance(extra, list):
+    config["additional_special_tokens"] = extra
+  elif extra:
+    config["extra_special_tokens"] = extra
+  if config.get("tokenizer_class") in _TOKENIZER_CLASS_4X:
+    config["tokenizer_class"] = _TOKENIZER_CLASS_4X[config["tokenizer_class"]]
+  for key in _LOAD_ONLY_KEYS:
+    config.pop(key, None)
+  with open(config_path, "w") as f:
+    json.dump(config, f, indent=2, ensure_ascii=False)
+  if generation_config is not None:
+    with open(os.path.join(path, GENERATION_CONFIG), "w") as f:
+      json.dump(generation_config, f, indent=2)
+
+
+def read_generation_config(path: str) -> dict | None:
+  """The generation_config.json of a directory (a checkpoint, or a run's tokenizer
+  directory), or None when it has none."""
+  try:
+    with open(os.path.join(path, GENERATION_CONFIG)) as f:
+      record = json.load(f)
+  except FileNotFoundError:
+    return None
+  except ValueError as e:
+    raise ValueError(f"{os.path.join(path, GENERATION_CONFIG)}: not JSON ({e}).") from e
+  return record if isinstance(record, dict) else None
+
+
+def config_token_ids(path: str) -> set[int]:
+  """The token ids the checkpoint's config.json and generation_config.json name (bos, eos,
+  pad, decoder start), for the `<|mask|>` row to stay clear of."""
+  ids: set[int] = set()
+  for name in ("config.json", GENERATION_CONFIG):
+    try:
+      with open(os.path.join(path, name)) as f:
+        record = json.load(f)
+    except (OSError, ValueError):
+      continue
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+      value = record.get(key) if isinstance(record, dict) else None
+      for i in value if isinstance(value, list) else [value]:
+        if isinstance(i, int) and not isinstance(i, bool):
+          ids.add(i)
+  return ids
+
+
+def _added_tokens(tok) -> dict[int, str]:
+  """id -> text of a tokenizer's added (special and other) tokens."""
+  return {i: t.content for i, t in tok.added_tokens_decoder.items()}
+
+
+def check_covers(tok, model_tok, where: str, model_where: str) -> None:
+  """Raises ValueError naming the added or special tokens of the model's own tokenizer
+  `model_tok` that `tok` lacks (or holds at another id), `<|mask|>` aside: a tokenizer
+  without them would put `<|mask|>` on a trained row, and split the model's own tokens."""
+  have = _added_tokens(tok)
+  missing = [(i, t) for i, t in sorted(_added_tokens(model_tok).items())
+             if t != MASK_TOKEN and have.get(i) != t]
+  if missing:
+    names = ", ".join(f"{t} ({i})" for i, t in missing[:8]) + (
+        f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise ValueError(
+        f"{where}: the tokenizer lacks special tokens of the model's own tokenizer "
+        f"({model_where}): {names}. Leave `tokenizer` unset to train with the model's own "
+        "tokenizer and chat template, or pass one that has these tokens at these ids.")
+
+
+def load_tokenizer(path: str, vocab_size: int | None = None, *,
+                   reserved_ids: set[int] | frozenset = frozenset(), model_tokenizer=None,
+                   model_where: str = "the model"):
   """`AutoTokenizer` from an HF directory, with `<|mask|>` added as a special token.
 
-  The mask token takes a spare embedding row: its id must be < `vocab_size` (the
-  checkpoint's, read from config.json when not given), which is kept unchanged.
+  The mask token takes a spare embedding row: above every id the tokenizer knows
+  (added and special tokens included), every id the directory's config.json and
+  generation_config.json name, and `reserved_ids` (e.g. the ids of the model's own
+  tokenizer), and below `vocab_size` (the checkpoint's, read from config.json when
+  not given), which is kept unchanged. A tokenizer that already has `<|mask|>` (a
+  mars_jax run or export) keeps its id. `model_tokenizer`: the model's own, when this
+  one is another: it must cover its added tokens (`check_covers`), and the mask row
+  stays above its ids too.
   Returns (tokenizer, mask_token_id).
   """
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
@@ -414,9 +529,21 @@ def load_tokenizer(path: str, vocab_size: int | None = None):
   if vocab_size is None:
     vocab_size = Qwen2Config.from_json_file(os.path.join(path, "config.json")).vocab_size
   tok = AutoTokenizer.from_pretrained(path)
-  if MASK_TOKEN not in tok.get_vocab():
-    tok.add_tokens([MASK_TOKEN], special_tokens=True)
+  if model_tokenizer is not None:
+    check_covers(tok, model_tokenizer, path, model_where)
+    reserved_ids = set(reserved_ids) | {i for t, i in model_tokenizer.get_vocab().items()
+                                        if t != MASK_TOKEN}
+  if MASK_TOKEN in tok.get_vocab():
+    return tok, tok.convert_tokens_to_ids(MASK_TOKEN)
+  tok.add_tokens([MASK_TOKEN], special_tokens=True)
   mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
+  taken = [i for i in (*tok.get_vocab().values(), *config_token_ids(path), *reserved_ids)
+           if i != mask_id]
+  if taken and mask_id <= max(taken):
+    raise ValueError(
+        f"{path}: {MASK_TOKEN} would take row {mask_id}, but id {max(taken)} is in use (by "
+        "the tokenizer, config.json or generation_config.json, or the model's own "
+        "tokenizer); mars_jax needs a row above every id in use.")
   if mask_id >= vocab_size:
     raise ValueError(
         f"{path}: no spare embedding row for {MASK_TOKEN}: the tokenizer already has "

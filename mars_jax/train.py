@@ -3,12 +3,17 @@
 Starts the distributed runtime (mars_jax.distributed), checks that every process
 has the same config, and runs the experiment (mars_jax.experiment: stage 1, main
 stage, final evaluation, export). Fields: see mars_jax/train_config.py.
+
+A config or data error (a bad value, a missing file, bad records under
+data.on_bad="error", a refused export directory) prints one line, `error: ...`, and
+exits with status 2; MARS_JAX_TRACEBACK=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -38,7 +43,13 @@ def main(argv) -> None:
   distributed.initialize(plan)
   distributed.assert_same_config(distributed.config_fingerprint(cfg))
   _LOG.info("%s", distributed.env_summary())
-  experiment.run(cfg, _WORKDIR.value)
+  try:
+    experiment.run(cfg, _WORKDIR.value)
+  except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+    if os.environ.get("MARS_JAX_TRACEBACK"):
+      raise
+    print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from mars_jax import checkpoint, objective as objective_lib, sharding, train_config
+from mars_jax import checkpoint, hf, objective as objective_lib, sharding, train_config
 from mars_jax import train_step as ts
 from mars_jax.data import load_data, pad_example, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
@@ -172,10 +172,13 @@ def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:
 
 
 def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
-              init_params: Any, tokenizer, mask_id: int) -> StageResult:
+              init_params: Any, tokenizer, mask_id: int, *,
+              generation_config: dict | None = None) -> StageResult:
   """Trains one stage in `run_dir` as `cfg` says; returns its final params.
 
-  `init_params` (None: random init) must be in `runtime`'s layout."""
+  `init_params` (None: random init) must be in `runtime`'s layout. The tokenizer is
+  saved in the run with `generation_config` (the source checkpoint's), which the
+  export carries over."""
   t0 = time.time()
   nproc, pid = jax.process_count(), jax.process_index()
   data = load_data(cfg.data, tokenizer)
@@ -204,7 +207,8 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
     synthetic.record_task_settings(run_dir, task_settings(cfg.data))
   multihost_utils.sync_global_devices("layout written")
   if pid == 0 and tokenizer is not None:
-    tokenizer.save_pretrained(checkpoint.tokenizer_dir(run_dir))
+    hf.save_tokenizer(tokenizer, checkpoint.tokenizer_dir(run_dir),
+                      generation_config=generation_config)
   ckpt = checkpoint.RunCheckpointer(run_dir, max_to_keep=cfg.train.max_to_keep,
                                     save_every=cfg.train.checkpoint_every,
                                     async_save=cfg.train.async_checkpoint)

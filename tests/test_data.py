@@ -314,7 +314,7 @@ def test_parquet_source_matches_jsonl(tok, tmp_path):
   for i in range(12):
     np.testing.assert_array_equal(from_parquet.train[i]["tokens"], from_jsonl.train[i]["tokens"])
   pq.write_table(pa.table({"text": ["hi"]}), tmp_path / "x.parquet")
-  with pytest.raises(ValueError, match="no 'messages' column"):
+  with pytest.raises(ValueError, match=r"match no known chat shape \(keys found: \['text'\]"):
     load_data({"source": str(tmp_path / "x.parquet")}, tok)
 
 

@@ -1,20 +1,33 @@
-"""Chat formatting and label masking: chat record -> {"tokens", "loss_mask"}.
+"""Chat formatting and label masking: chat -> {"tokens", "loss_mask"}, by character spans.
 
-The conversation is rendered with the tokenizer's own chat template (the one
-generation uses), tokenized once, and every assistant turn is a target: its
-content tokens and the special token that closes it (`<|im_end|>` in ChatML).
-Everything else (system and user turns, role headers, the newline after
-`<|im_end|>`) is not. A two-turn chat with the character tokenizer, one column per
-token (S = <|im_start|>, E = <|im_end|>, . = newline, ^ = loss_mask True):
+The conversation is rendered once with the tokenizer's own chat template (the one
+generation uses, with `template_kwargs` such as Qwen3's `enable_thinking`) and that
+whole text is tokenized once: the tokens trained on are the tokens the model sees at
+inference. The targets are character spans of that text: each assistant turn's
+content, and its reasoning (`reasoning_content`, or `<think>...</think>` leading the
+content) when the template renders it. A token is a target when any of its characters
+lies in a span (so a token that straddles the start of a reply, e.g. the header's
+"\n" merged with a reply's leading "\n", is a target), and so is the special token
+that starts exactly where a turn's content ends (`<|im_end|>`). Everything else (system
+and user turns, role headers, default system prompts, Qwen3's empty
+`<think>\n\n</think>\n\n` and the think tags, the newline after `<|im_end|>`) is not.
+`train_on="last"` keeps only the last assistant turn's spans (the authors' setting).
+
+A two-turn chat with the character tokenizer, one column per token (S = <|im_start|>,
+E = <|im_end|>, . = newline, ^ = loss_mask True):
 
   Suser.HiE.Sassistant.YoE.Suser.Ok?E.Sassistant.NoE.
                        ^^^                       ^^^
 
-Targets are found on the text: for assistant turn k, the template renders
-messages[:k] with `add_generation_prompt=True` as a prefix of the full text,
-followed by the turn's content; a token is a target when it starts inside that
-content, or is the special token right after it. A template that does not
-render this way is rejected with a clear error.
+The spans are found by asking the template, not by guessing its layout: a piece of a
+message (say turn k's content) ends where a sentinel character appended to it lands
+when the conversation is rendered again with it, which must be the only change
+(else the template does not render the piece verbatim, and the record is a
+"template_error"); it starts where a sentinel prepended to it lands, or, when the
+template strips the piece's leading whitespace (Qwen3 lstrips replies), where the
+longest suffix of the piece that the text holds before that end begins. A reasoning
+piece the template drops (Qwen3 strips it from turns before the last user query) is
+no target.
 
 `TokenizedSource` formats a whole list of sources once, at index time, into
 flat arrays (~5 bytes per token), so that lengths are checked before training
@@ -23,60 +36,157 @@ and the training map only slices and pads.
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from grain.sources import RandomAccessDataSource
 
 from mars_jax.data.validation import DataStats
 
+TRAIN_ON = ("all", "last")
+_SENTINELS = ("\ue000", "\ue001", "\U000f0000")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+Span = tuple[int, int, bool]     # [start, end) of the text; True: a turn's content
 
-def target_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
-  """(rendered text, [(start, end) character span of each assistant turn's content])."""
-  text = tokenizer.apply_chat_template(list(messages), tokenize=False)
-  spans = []
-  for k, m in enumerate(messages):
-    if m["role"] != "assistant":
-      continue
-    prefix = tokenizer.apply_chat_template(list(messages[:k]), tokenize=False,
-                                           add_generation_prompt=True)
-    start = len(prefix)
-    if not text.startswith(prefix) or text[start:start + len(m["content"])] != m["content"]:
-      raise ValueError(
-          "the tokenizer's chat template does not render an assistant turn as "
-          "render(messages[:k], add_generation_prompt=True) + content; mars_jax needs such "
-          f"a template (ChatML, as in Qwen2.5) to find the targets. Turn {k} of {messages!r}.")
-    spans.append((start, start + len(m["content"])))
+
+class TemplateError(ValueError):
+  """The chat template raised on a chat, or does not render one of its pieces verbatim."""
+
+
+def render(tokenizer, messages: Sequence[dict], template_kwargs: Mapping[str, Any]) -> str:
+  """The whole conversation as the template renders it (no generation prompt)."""
+  try:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         **dict(template_kwargs))
+  except Exception as e:  # jinja's TemplateError, raise_exception(...), a missing key
+    raise TemplateError(f"the chat template raised {type(e).__name__}: {e}") from e
+
+
+def _pieces(message: dict) -> list[tuple[str, int, int, bool]]:
+  """(field, start, end, is_content) of the target pieces of an assistant message: its
+  reasoning (a `reasoning_content` field, or `<think>r</think>` leading its content)
+  and its content (after any `</think>`), as index ranges of `message[field]`."""
+  content = message["content"]
+  out = []
+  if message.get("reasoning_content"):
+    out.append(("reasoning_content", 0, len(message["reasoning_content"]), False))
+  cut = content.rfind(THINK_CLOSE)
+  if cut >= 0 and "reasoning_content" not in message:
+    opened = content.rfind(THINK_OPEN, 0, cut)
+    begin = opened + len(THINK_OPEN) if opened >= 0 else 0
+    if content[begin:cut].strip():
+      out.append(("content", begin, cut, False))
+  begin = cut + len(THINK_CLOSE) if cut >= 0 else 0
+  out.append(("content", begin, len(content), True))
+  return [p for p in out if p[2] > p[1]]
+
+
+def _insertion(text: str, probe: str, mark: str) -> int | None:
+  """Where `probe` is `text` with `mark` inserted once, or None if it is not that."""
+  at = probe.find(mark)
+  if at < 0 or probe.count(mark) != 1 or len(probe) != len(text) + len(mark):
+    return None
+  return at if probe[:at] == text[:at] and probe[at + len(mark):] == text[at:] else None
+
+
+def _probe(tokenizer, messages, k: int, field: str, index: int, mark: str,
+           template_kwargs) -> str:
+  """The rendering with `mark` inserted at `index` of messages[k][field]."""
+  probed = copy.copy(list(messages))
+  value = probed[k][field]
+  probed[k] = {**probed[k], field: value[:index] + mark + value[index:]}
+  return render(tokenizer, probed, template_kwargs)
+
+
+def _suffix_start(text: str, end: int, piece: str) -> int:
+  """The start of the longest suffix of `piece` that `text[:end]` ends with."""
+  n = 0
+  while n < len(piece) and n < end and piece[-1 - n] == text[end - 1 - n]:
+    n += 1
+  return end - n
+
+
+def target_spans(tokenizer, messages: Sequence[dict], *, train_on: str = "all",
+                 template_kwargs: Mapping[str, Any] | None = None
+                 ) -> tuple[str, list[Span]]:
+  """(rendered text, [(start, end, is_content)] character spans of the targets).
+
+  Raises TemplateError when the template raises or does not render an assistant
+  turn's content verbatim (see the module docstring)."""
+  if train_on not in TRAIN_ON:
+    raise ValueError(f"data.train_on={train_on!r}; expected one of {TRAIN_ON}.")
+  kwargs = template_kwargs or {}
+  text = render(tokenizer, messages, kwargs)
+  mark = next((m for m in _SENTINELS if m not in text), None)
+  if mark is None:
+    raise TemplateError("the chat contains every sentinel character mars_jax marks "
+                        "turns with (U+E000, U+E001, U+F0000)")
+  turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+  spans: list[Span] = []
+  for k in turns[-1:] if train_on == "last" else turns:
+    for field, begin, stop, is_content in _pieces(messages[k]):
+      probe = _probe(tokenizer, messages, k, field, stop, mark, kwargs)
+      end = _insertion(text, probe, mark)
+      if end is None:
+        if not is_content and mark not in probe:
+          continue       # the template drops this reasoning: nothing the model sees
+        raise TemplateError(
+            f"the chat template does not render assistant turn {k}'s "
+            f"{'content' if is_content else 'reasoning'} verbatim (a character appended "
+            "to it does not appear in the rendering just after it), so its targets "
+            "cannot be found; use a template that renders message content as given.")
+      start = _insertion(text, _probe(tokenizer, messages, k, field, begin, mark, kwargs),
+                         mark)
+      if start is None or start > end:
+        start = _suffix_start(text, end, messages[k][field][begin:stop])
+      if end > start:
+        spans.append((start, end, is_content))
   return text, spans
 
 
-def _label(starts: np.ndarray, ids: np.ndarray, spans: list[tuple[int, int]],
+def _label(offsets: np.ndarray, ids: np.ndarray, spans: list[Span],
            special_ids: np.ndarray) -> np.ndarray:
-  """loss_mask: bool[n] from token start offsets int[n] and ids int[n]."""
+  """loss_mask: bool[n] from token character offsets int[n, 2] and ids int[n]."""
   mask = np.zeros(len(ids), bool)
-  for start, end in spans:
-    mask |= (starts >= start) & (starts < end)
+  starts, ends = offsets[:, 0], offsets[:, 1]
+  for start, end, is_content in spans:
+    mask |= (starts < end) & (ends > start)
     after = np.searchsorted(starts, end, side="left")
-    if after < len(ids) and np.isin(ids[after], special_ids):
+    if (is_content and after < len(ids) and starts[after] == end
+        and np.isin(ids[after], special_ids)):
       mask[after] = True
   return mask
 
 
-def format_chats(tokenizer, chats: Sequence[Sequence[dict]]) -> list[dict[str, np.ndarray]]:
-  """Formats validated chats (lists of messages), untruncated.
+def tokenize_rendered(tokenizer, rendered: Sequence[tuple[str, list[Span]]]
+                      ) -> list[dict[str, np.ndarray]]:
+  """Tokenizes (text, spans) pairs (`target_spans` output) in one call.
 
-  Returns one {"tokens": int32[n], "loss_mask": bool[n]} per chat, n its length.
-  """
-  rendered = [target_spans(tokenizer, messages) for messages in chats]
+  Returns one {"tokens": int32[n], "loss_mask": bool[n]} per text, n its length."""
+  if not rendered:
+    return []
   enc = tokenizer([text for text, _ in rendered], add_special_tokens=False,
                   return_offsets_mapping=True)
   special = np.asarray(sorted(tokenizer.all_special_ids), np.int64)
   out = []
   for (_, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
     ids = np.asarray(ids, np.int32)
-    starts = np.asarray([s for s, _ in offsets], np.int64)
-    out.append({"tokens": ids, "loss_mask": _label(starts, ids, spans, special)})
+    offsets = np.asarray(offsets, np.int64).reshape(-1, 2)
+    out.append({"tokens": ids, "loss_mask": _label(offsets, ids, spans, special)})
   return out
+
+
+def format_chats(tokenizer, chats: Sequence[Sequence[dict]], *, train_on: str = "all",
+                 template_kwargs: Mapping[str, Any] | None = None
+                 ) -> list[dict[str, np.ndarray]]:
+  """Formats validated chats (lists of messages), untruncated.
+
+  Returns one {"tokens": int32[n], "loss_mask": bool[n]} per chat, n its length.
+  Raises TemplateError for a chat the template cannot render verbatim."""
+  return tokenize_rendered(tokenizer, [
+      target_spans(tokenizer, m, train_on=train_on, template_kwargs=template_kwargs)
+      for m in chats])
 
 
 def pad_example(example: dict[str, np.ndarray], length: int,
@@ -105,21 +215,30 @@ class TokenizedSource(RandomAccessDataSource):
   """Formatted, length-checked examples of `sources`, built once.
 
   Item i: {"tokens": int32[n_i], "loss_mask": bool[n_i]} with n_i <= max_length.
-  A record longer than `max_length` is cut to it and counted in `stats.truncated`
-  when `truncate`; it is bad ("too_long") when not, or when no target survives
-  the cut. Sources need `__len__`, `__getitem__` -> chat record, and `where(i)`.
+  A chat the template cannot render verbatim is bad ("template_error"). A record
+  longer than `max_length` is cut to it and counted in `stats.truncated` when
+  `truncate`; it is bad ("too_long") when not, or when no target survives the cut. Sources need `__len__`, `__getitem__` -> chat record, and `where(i)`.
   """
 
   def __init__(self, sources: Sequence, tokenizer, stats: DataStats, *, max_length: int,
-               truncate: bool = True, chunk_size: int = 1024):
+               truncate: bool = True, chunk_size: int = 1024, train_on: str = "all",
+               template_kwargs: Mapping[str, Any] | None = None):
     if max_length < 2:
       raise ValueError(f"max_length={max_length}; expected at least 2.")
     tokens, masks, lengths = [], [], []
     for source in sources:
       for begin in range(0, len(source), chunk_size):
-        idx = range(begin, min(begin + chunk_size, len(source)))
-        examples = format_chats(tokenizer, [source[i]["messages"] for i in idx])
-        for i, ex in zip(idx, examples):
+        idx, rendered = [], []
+        for i in range(begin, min(begin + chunk_size, len(source))):
+          try:
+            rendered.append(target_spans(tokenizer, source[i]["messages"],
+                                         train_on=train_on,
+                                         template_kwargs=template_kwargs))
+          except TemplateError as e:
+            stats.report_bad("template_error", source.where(i), str(e))
+            continue
+          idx.append(i)
+        for i, ex in zip(idx, tokenize_rendered(tokenizer, rendered)):
           n = len(ex["tokens"])
           if n > max_length:
             if not truncate:

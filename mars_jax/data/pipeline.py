@@ -11,8 +11,16 @@
 Config fields (a dict or ml_collections ConfigDict; `default_config()` has them all,
 an unknown key is an error):
   source        "synthetic", or data files: a path, glob, directory or comma-separated
-                list of them (.jsonl/.json lines, .parquet) of chat records
-                {"messages": [{"role": "system"|"user"|"assistant", "content": str}]}.
+                list of them (.jsonl/.json lines, .parquet, or a directory written by
+                `datasets`' save_to_disk) of chat records, e.g. {"messages": [{"role":
+                "system"|"user"|"assistant"|"tool", "content": str}]}.
+  format        the records' shape: "auto" (detected per file), "messages" (OpenAI),
+                "sharegpt", "alpaca" or "prompt_completion" (mars_jax.data.formats).
+  train_on      "all": every assistant turn is a target (the default); "last": only
+                the last one (the authors' setting).
+  chat_template_kwargs
+                keyword arguments of the tokenizer's chat template, a dict or its JSON
+                text, e.g. '{"enable_thinking": false}' for Qwen3.
   eval_source   held-out chat files (same forms); None: for "synthetic" the test split,
                 for files the `num_eval` records held out of `source` (none if 0).
   num_eval      records of a file `source` held out for eval when `eval_source` is
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 from typing import Any, Mapping
 
@@ -60,8 +69,8 @@ import grain.experimental as grain_exp
 import ml_collections
 import numpy as np
 
-from mars_jax.data import synthetic
-from mars_jax.data.chat import TokenizedSource, pad_example, pad_id_of
+from mars_jax.data import formats, synthetic
+from mars_jax.data.chat import TRAIN_ON, TokenizedSource, pad_example, pad_id_of
 from mars_jax.data.sources import RecordsSource, expand_paths, open_file
 from mars_jax.data.validation import POLICIES, DataStats
 
@@ -74,6 +83,9 @@ def default_config() -> ml_collections.ConfigDict:
   placeholder = ml_collections.config_dict.placeholder
   return ml_collections.ConfigDict({
       "source": "synthetic",
+      "format": "auto",
+      "train_on": "all",
+      "chat_template_kwargs": "{}",
       "eval_source": placeholder(str),
       "num_eval": 0,
       "max_length": 512,
@@ -113,7 +125,27 @@ def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
   for name, value, ok, expected in checks:
     if not ok:
       raise ValueError(f"data.{name}={value!r}; expected {expected}.")
+  formats.check_format(out["format"])
+  if out["train_on"] not in TRAIN_ON:
+    raise ValueError(f"data.train_on={out['train_on']!r}; expected one of {TRAIN_ON}.")
+  out["chat_template_kwargs"] = template_kwargs(out["chat_template_kwargs"])
   return out
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+  """`data.chat_template_kwargs` as a dict: a mapping, or JSON text of an object."""
+  if isinstance(value, str):
+    try:
+      value = json.loads(value or "{}")
+    except ValueError as e:
+      raise ValueError(f"data.chat_template_kwargs={value!r} is not JSON ({e}); pass an "
+                       """object, e.g. '{"enable_thinking": false}'.""") from e
+  if isinstance(value, ml_collections.ConfigDict):
+    value = value.to_dict()
+  if not isinstance(value, Mapping):
+    raise ValueError(f"data.chat_template_kwargs={value!r}; expected a JSON object of "
+                     "chat template keyword arguments.")
+  return dict(value)
 
 
 def task_settings(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,16 +176,18 @@ class _Subset:
     return self._source.where(int(self._indices[i]))
 
 
-def _file_sources(spec, stats: DataStats) -> list:
-  return [open_file(path, stats) for path in expand_paths(spec)]
+def _file_sources(spec, stats: DataStats, fmt: str) -> list:
+  return [open_file(path, stats, fmt) for path in expand_paths(spec)]
 
 
-def _held_out(sources: list, num_eval: int, seed: int) -> tuple[list, list]:
+def _held_out(sources: list, num_eval: int, seed: int,
+              stats: DataStats) -> tuple[list, list]:
   """Splits file sources into (train, eval) subsets, `num_eval` records to eval."""
   sizes = [len(s) for s in sources]
   total = sum(sizes)
   if num_eval >= total:
-    raise ValueError(f"data.num_eval={num_eval} leaves no training records of {total}.")
+    raise ValueError(f"data.num_eval={num_eval} leaves no training records of the {total} "
+                     f"usable ones.\n{stats.summary()}")
   is_eval = np.zeros(total, bool)
   is_eval[np.random.default_rng(seed).permutation(total)[:num_eval]] = True
   train, held = [], []
@@ -293,14 +327,16 @@ def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
     held = ([RecordsSource(synthetic.chat_records(syn["num_test"], split="test", **kw),
                            stats, name="synthetic-test")] if syn["num_test"] else [])
   else:
-    train = _file_sources(cfg["source"], stats)
+    train = _file_sources(cfg["source"], stats, cfg["format"])
     held = []
     if cfg["num_eval"] and cfg["eval_source"] is None:
-      train, held = _held_out(train, cfg["num_eval"], cfg["seed"])
+      train, held = _held_out(train, cfg["num_eval"], cfg["seed"], stats)
   if cfg["eval_source"] is not None:
-    held = _file_sources(cfg["eval_source"], stats)
+    held = _file_sources(cfg["eval_source"], stats, cfg["format"])
   tok = functools.partial(TokenizedSource, tokenizer=tokenizer, stats=stats,
-                          max_length=cfg["max_length"], truncate=cfg["truncate"])
+                          max_length=cfg["max_length"], truncate=cfg["truncate"],
+                          train_on=cfg["train_on"],
+                          template_kwargs=cfg["chat_template_kwargs"])
   data = ChatData(config=cfg, train=tok(train), eval=tok(held) if held else None,
                   stats=stats, pad_id=pad_id_of(tokenizer))
   if not len(data.train):

@@ -8,11 +8,17 @@ and line (`on_bad="error"`). Nothing is dropped without being counted: the
 reason of the first few, and `summary()` prints them.
 
 Kinds:
-  malformed        not a JSON object / no `messages` list / a message without
-                   string `role` and `content`
+  malformed        not a JSON object / not of its file's shape (mars_jax.data.formats)
+                   / a message without string `role` and `content`
   unknown_role     a role outside ROLES
+  empty_content    a user or tool turn whose content is empty or whitespace
   empty_assistant  an assistant turn whose content is empty or whitespace
   no_assistant     no assistant turn at all: nothing to learn from
+  assistant_first  the first turn after any system turns is the assistant's: a reply
+                   to no prompt
+  tool_calls       an assistant turn that calls tools (see formats.py)
+  template_error   the chat template raised on the record, or does not render one
+                   of its assistant turns verbatim (the reason says which)
   too_long         longer than max_length with truncation off, or with
                    truncation on, no assistant token left after truncating
   empty_file       a file with no records
@@ -25,9 +31,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
-BAD_KINDS = ("malformed", "unknown_role", "empty_assistant", "no_assistant", "too_long",
-             "empty_file")
+ROLES = ("system", "user", "assistant", "tool")
+BAD_KINDS = ("malformed", "unknown_role", "empty_content", "empty_assistant", "no_assistant",
+             "assistant_first", "tool_calls", "template_error", "too_long", "empty_file")
 POLICIES = ("skip", "error")
 
 
@@ -82,29 +88,25 @@ class DataStats:
     return "\n".join(lines)
 
 
-def check_chat(record: Any) -> tuple[str, str] | None:
-  """None if `record` is a usable chat record, else (kind, reason).
+def check_messages(messages: list[dict]) -> tuple[str, str] | None:
+  """None if `messages` (formats.to_messages' output) is a usable chat, else (kind, reason).
 
-  A usable record is a dict whose `messages` is a non-empty list of
-  {"role": str in ROLES, "content": str} with at least one assistant turn and
-  no empty assistant turn. Extra keys are allowed and ignored.
+  A usable chat has roles in ROLES, no empty user, tool or assistant turn, a first
+  non-system turn that is not the assistant's, and at least one assistant turn.
   """
-  if not isinstance(record, dict):
-    return "malformed", f"expected a JSON object, got {type(record).__name__}"
-  messages = record.get("messages")
-  if not isinstance(messages, list) or not messages:
-    return "malformed", "no non-empty 'messages' list"
   has_assistant = False
   for k, m in enumerate(messages):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-        or not isinstance(m.get("content"), str):
-      return "malformed", f"messages[{k}] is not {{'role': str, 'content': str}}"
     if m["role"] not in ROLES:
       return "unknown_role", f"messages[{k}] has role {m['role']!r}; expected one of {ROLES}"
     if m["role"] == "assistant":
       if not m["content"].strip():
         return "empty_assistant", f"messages[{k}] is an empty assistant turn"
       has_assistant = True
+    elif m["role"] != "system" and not m["content"].strip():
+      return "empty_content", f"messages[{k}] is an empty {m['role']} turn"
+  first = next((m["role"] for m in messages if m["role"] != "system"), None)
+  if first == "assistant":
+    return "assistant_first", "the conversation starts with the assistant's turn (no prompt)"
   if not has_assistant:
     return "no_assistant", "no assistant turn to learn from"
   return None

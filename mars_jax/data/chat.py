@@ -20,14 +20,16 @@ E = <|im_end|>, . = newline, ^ = loss_mask True):
                        ^^^                       ^^^
 
 The spans are found by asking the template, not by guessing its layout: a piece of a
-message (say turn k's content) ends where a sentinel character appended to it lands
-when the conversation is rendered again with it, which must be the only change
-(else the template does not render the piece verbatim, and the record is a
-"template_error"); it starts where a sentinel prepended to it lands, or, when the
-template strips the piece's leading whitespace (Qwen3 lstrips replies), where the
-longest suffix of the piece that the text holds before that end begins. A reasoning
-piece the template drops (Qwen3 strips it from turns before the last user query) is
-no target.
+message (say turn k's content) starts and ends where a sentinel character inserted
+at its start or end lands when the conversation is rendered again with it; that
+must be the only change, and the text between must be the piece as given, or, when
+the template strips the piece (Qwen3 strips replies and reasoning of surrounding
+newlines), the piece without its leading and trailing whitespace. Content the
+template renders verbatim is one span, `<think>` tags included (ChatML); a template
+that splits `<think>r</think>reply` (Qwen3) gives a reasoning span and a reply span.
+Reasoning the template drops (Qwen3 strips it from turns before the last user
+query) is no target; content it drops or rewrites makes the record a
+"template_error".
 
 `TokenizedSource` formats a whole list of sources once, at index time, into
 flat arrays (~5 bytes per token), so that lengths are checked before training
@@ -36,7 +38,6 @@ and the training map only slices and pads.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -63,25 +64,6 @@ def render(tokenizer, messages: Sequence[dict], template_kwargs: Mapping[str, An
     raise TemplateError(f"the chat template raised {type(e).__name__}: {e}") from e
 
 
-def _pieces(message: dict) -> list[tuple[str, int, int, bool]]:
-  """(field, start, end, is_content) of the target pieces of an assistant message: its
-  reasoning (a `reasoning_content` field, or `<think>r</think>` leading its content)
-  and its content (after any `</think>`), as index ranges of `message[field]`."""
-  content = message["content"]
-  out = []
-  if message.get("reasoning_content"):
-    out.append(("reasoning_content", 0, len(message["reasoning_content"]), False))
-  cut = content.rfind(THINK_CLOSE)
-  if cut >= 0 and "reasoning_content" not in message:
-    opened = content.rfind(THINK_OPEN, 0, cut)
-    begin = opened + len(THINK_OPEN) if opened >= 0 else 0
-    if content[begin:cut].strip():
-      out.append(("content", begin, cut, False))
-  begin = cut + len(THINK_CLOSE) if cut >= 0 else 0
-  out.append(("content", begin, len(content), True))
-  return [p for p in out if p[2] > p[1]]
-
-
 def _insertion(text: str, probe: str, mark: str) -> int | None:
   """Where `probe` is `text` with `mark` inserted once, or None if it is not that."""
   at = probe.find(mark)
@@ -90,21 +72,83 @@ def _insertion(text: str, probe: str, mark: str) -> int | None:
   return at if probe[:at] == text[:at] and probe[at + len(mark):] == text[at:] else None
 
 
-def _probe(tokenizer, messages, k: int, field: str, index: int, mark: str,
-           template_kwargs) -> str:
-  """The rendering with `mark` inserted at `index` of messages[k][field]."""
-  probed = copy.copy(list(messages))
-  value = probed[k][field]
-  probed[k] = {**probed[k], field: value[:index] + mark + value[index:]}
-  return render(tokenizer, probed, template_kwargs)
+class _Probe:
+  """Renderings of one chat with a sentinel inserted into one field of one message."""
+
+  def __init__(self, tokenizer, messages: Sequence[dict], template_kwargs, text: str):
+    self.tokenizer, self.messages, self.kwargs, self.text = (
+        tokenizer, list(messages), template_kwargs, text)
+    self.mark = next((m for m in _SENTINELS if m not in text), None)
+    if self.mark is None:
+      raise TemplateError("the chat contains every sentinel character mars_jax marks "
+                          "turns with (U+E000, U+E001, U+F0000)")
+
+  def at(self, k: int, field: str, index: int) -> tuple[int | None, bool]:
+    """(where the sentinel inserted at `index` of messages[k][field] lands when that is
+    the only change to the rendering, else None; whether it is rendered at all)."""
+    probed = list(self.messages)
+    value = probed[k][field]
+    probed[k] = {**probed[k], field: value[:index] + self.mark + value[index:]}
+    rendered = render(self.tokenizer, probed, self.kwargs)
+    return _insertion(self.text, rendered, self.mark), self.mark in rendered
+
+  def span(self, k: int, field: str, begin: int, stop: int) -> tuple[int, int] | None:
+    """The characters of the text where messages[k][field][begin:stop] is rendered as
+    given, or, failing that, with its leading and trailing whitespace stripped (as
+    Qwen3 strips replies and reasoning). None when the template drops the piece;
+    raises TemplateError when it renders it otherwise."""
+    value = self.messages[k][field]
+    piece = value[begin:stop]
+    stripped = (begin + len(piece) - len(piece.lstrip()),
+                stop - (len(piece) - len(piece.rstrip())))
+    rendered = False
+    for lo, hi in ((begin, stop), stripped):
+      end, shown = self.at(k, field, hi)
+      rendered |= shown
+      start = self.at(k, field, lo)[0] if end is not None else None
+      if start is not None and self.text[start:end] == value[lo:hi]:
+        return start, end
+    if not rendered:
+      return None
+    raise TemplateError(
+        f"the chat template does not render messages[{k}].{field} verbatim (a character "
+        "inserted at its start or end does not appear there in the rendering), so its "
+        "targets cannot be found; use a template that renders message content as given.")
 
 
-def _suffix_start(text: str, end: int, piece: str) -> int:
-  """The start of the longest suffix of `piece` that `text[:end]` ends with."""
-  n = 0
-  while n < len(piece) and n < end and piece[-1 - n] == text[end - 1 - n]:
-    n += 1
-  return end - n
+def _turn_spans(probe: _Probe, k: int) -> list[Span]:
+  """The target spans of assistant turn k: its reasoning_content when rendered, and its
+  content: one span when rendered verbatim, else its `<think>` reasoning (when the
+  template renders it) and the reply after `</think>`, each possibly stripped."""
+  m = probe.messages[k]
+  out: list[Span] = []
+  if m.get("reasoning_content", "").strip():
+    span = probe.span(k, "reasoning_content", 0, len(m["reasoning_content"]))
+    if span:
+      out.append((*span, False))
+  content = m["content"]
+  cut = content.rfind(THINK_CLOSE)
+  whole = None
+  if cut >= 0:
+    end, _ = probe.at(k, "content", len(content))
+    start = probe.at(k, "content", 0)[0] if end is not None else None
+    if start is not None and probe.text[start:end] == content:
+      whole = (start, end)
+  if cut < 0 or whole:
+    span = whole or probe.span(k, "content", 0, len(content))
+    if span is None:
+      raise TemplateError(f"the chat template does not render messages[{k}]'s content")
+    return out + [(*span, True)]
+  opened = content.rfind(THINK_OPEN, 0, cut)
+  begin = opened + len(THINK_OPEN) if opened >= 0 else 0
+  if content[begin:cut].strip():
+    span = probe.span(k, "content", begin, cut)
+    if span:
+      out.append((*span, False))
+  span = probe.span(k, "content", cut + len(THINK_CLOSE), len(content))
+  if span is None:
+    raise TemplateError(f"the chat template does not render messages[{k}]'s reply")
+  return out + [(*span, True)]
 
 
 def target_spans(tokenizer, messages: Sequence[dict], *, train_on: str = "all",
@@ -118,31 +162,11 @@ def target_spans(tokenizer, messages: Sequence[dict], *, train_on: str = "all",
     raise ValueError(f"data.train_on={train_on!r}; expected one of {TRAIN_ON}.")
   kwargs = template_kwargs or {}
   text = render(tokenizer, messages, kwargs)
-  mark = next((m for m in _SENTINELS if m not in text), None)
-  if mark is None:
-    raise TemplateError("the chat contains every sentinel character mars_jax marks "
-                        "turns with (U+E000, U+E001, U+F0000)")
+  probe = _Probe(tokenizer, messages, kwargs, text)
   turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-  spans: list[Span] = []
-  for k in turns[-1:] if train_on == "last" else turns:
-    for field, begin, stop, is_content in _pieces(messages[k]):
-      probe = _probe(tokenizer, messages, k, field, stop, mark, kwargs)
-      end = _insertion(text, probe, mark)
-      if end is None:
-        if not is_content and mark not in probe:
-          continue       # the template drops this reasoning: nothing the model sees
-        raise TemplateError(
-            f"the chat template does not render assistant turn {k}'s "
-            f"{'content' if is_content else 'reasoning'} verbatim (a character appended "
-            "to it does not appear in the rendering just after it), so its targets "
-            "cannot be found; use a template that renders message content as given.")
-      start = _insertion(text, _probe(tokenizer, messages, k, field, begin, mark, kwargs),
-                         mark)
-      if start is None or start > end:
-        start = _suffix_start(text, end, messages[k][field][begin:stop])
-      if end > start:
-        spans.append((start, end, is_content))
-  return text, spans
+  spans = [s for k in (turns[-1:] if train_on == "last" else turns)
+           for s in _turn_spans(probe, k)]
+  return text, [s for s in spans if s[1] > s[0]]
 
 
 def _label(offsets: np.ndarray, ids: np.ndarray, spans: list[Span],

@@ -1,7 +1,8 @@
 """The user's path end to end, each CLI run in a subprocess as a user types it.
 
-From a tiny Qwen2 checkpoint that transformers wrote (with a trained byte-level BPE
-tokenizer and ChatML template, tests/user_path_fixtures.py) and a chat JSONL:
+From a tiny Qwen2 checkpoint that transformers wrote with the real Qwen2.5 tokenizer
+(the real vocabulary and special ids, a template like the published one with its
+default system prompt: tests/qwen_tokenizers.py) and a chat JSONL:
 stage 1 with the shipped 0.5B AR-SFT config, stage 2 with the shipped MARS config
 from it (only size overrides: bfloat16 compute as shipped), the export, and the
 generate and evaluate CLIs on the export. The exported weights must give
@@ -17,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+import qwen_tokenizers as qt
 import user_path_fixtures as fx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +50,7 @@ def user(tmp_path_factory):
   train = fx.task_records(240, seed=0)
   test = fx.task_records(8, seed=0, split="test")
   paths = {
-      "hf": fx.make_qwen2_checkpoint(tmp / "Qwen2-tiny", texts=fx.task_texts(train)),
+      "hf": qt.make_qwen_checkpoint(tmp / "Qwen2.5-tiny", "qwen2.5"),
       "chat": fx.write_chat_jsonl(tmp / "chat.jsonl", train),
       "gsm8k": fx.write_gsm8k_jsonl(tmp / "test.jsonl", test),
       "sft": str(tmp / "runs" / "sft"), "mars": str(tmp / "runs" / "mars"),
@@ -73,20 +75,19 @@ def _metrics(run_dir):
 
 
 def test_fixture_tokenizer_is_what_transformers_loads(user):
-  """The checkpoint's tokenizer, reloaded by AutoTokenizer, is the ChatML BPE it was
-  trained as, and the model has spare rows past it for <|mask|>."""
+  """The checkpoint's tokenizer, reloaded by AutoTokenizer, is Qwen2.5's: the real
+  vocabulary and ids, its default system prompt, and spare rows past it for <|mask|>."""
   import transformers
   tok = transformers.AutoTokenizer.from_pretrained(user["hf"])
   cfg = transformers.AutoConfig.from_pretrained(user["hf"])
   assert tok.eos_token == fx.IM_END and tok.pad_token == fx.PAD_TOKEN
-  assert cfg.eos_token_id == tok.convert_tokens_to_ids(fx.IM_END)
-  assert len(tok) < cfg.vocab_size
+  assert cfg.eos_token_id == tok.convert_tokens_to_ids(fx.IM_END) == 151645
+  assert tok("Hello world").input_ids == [9707, 1879]
+  assert len(tok) == 151665 < cfg.vocab_size == 151936
   chat = [{"role": "user", "content": "2+3?"}]
   assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+      f"<|im_start|>system\n{qt.DEFAULT_SYSTEM}<|im_end|>\n"
       "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n")
-  text = "Ann has 12 cups, gets 7.\n#### 19"
-  assert tok.decode(tok(text).input_ids) == text
-  assert len(tok(text).input_ids) < len(text)      # merges were learned
 
 
 def test_both_stages_train_and_record_their_layout(user):
@@ -120,7 +121,7 @@ def test_export_matches_transformers_and_knows_the_mask_token(user):
   mask_id = tok.convert_tokens_to_ids(hf.MASK_TOKEN)
   model = transformers.AutoModelForCausalLM.from_pretrained(user["out"],
                                                             dtype=torch.float32).eval()
-  assert len(base) <= mask_id < model.config.vocab_size
+  assert mask_id == len(base) == 151665 < model.config.vocab_size
   config, params = hf.load_pretrained(user["out"])
   *_, trained = checkpoint.load_params(user["mars"])     # the run's last step, float32
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(trained), jax.device_get(params))
@@ -169,3 +170,70 @@ def test_evaluate_cli_on_the_export(user):
   assert 1.0 <= float(rows[1][4]) <= 4.0
   with open(os.path.join(user["eval"], "results.json")) as f:
     assert len(json.load(f)["rows"]) == 2
+
+
+def test_export_is_readable_by_others_and_keeps_the_generation_config(user):
+  from mars_jax import hf
+  assert os.stat(user["out"]).st_mode & 0o777 == 0o777 & ~_umask()
+  for name in os.listdir(user["out"]):
+    assert os.stat(os.path.join(user["out"], name)).st_mode & 0o777 == 0o666 & ~_umask()
+  assert hf.read_generation_config(user["out"]) == hf.read_generation_config(user["hf"])
+  assert hf.read_generation_config(user["out"])["eos_token_id"] == [151645, 151643]
+  assert hf.read_export_marker(user["out"])["mask_token_id"] == 151665
+
+
+def _umask():
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def test_export_tokenizer_loads_in_transformers_4(user):
+  """The exported tokenizer gives transformers 4.57 (installed beside, in a subprocess)
+  the ids and chat template transformers 5 gives, as the input checkpoint's does."""
+  import transformers
+  import transformers4
+  texts = ["Hello world", "<|im_start|>user\nHi<|mask|><|im_end|>", "数学 3+4=7 🙂"]
+  chat = [{"role": "user", "content": user["question"]}]
+  code = """
+import json, sys, transformers
+tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+texts, chat = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+print(json.dumps({"version": transformers.__version__,
+                  "ids": [tok(t, add_special_tokens=False).input_ids for t in texts],
+                  "prompt": tok.apply_chat_template(chat, tokenize=False,
+                                                    add_generation_prompt=True),
+                  "eos": tok.eos_token, "pad": tok.pad_token}))
+"""
+  for directory in (user["hf"], user["out"]):
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    r = transformers4.run_transformers4(code, directory, json.dumps(texts), json.dumps(chat))
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["version"].startswith("4.57")
+    assert got["ids"] == [tok(t, add_special_tokens=False).input_ids for t in texts]
+    assert got["prompt"] == tok.apply_chat_template(chat, tokenize=False,
+                                                    add_generation_prompt=True)
+    assert (got["eos"], got["pad"]) == (fx.IM_END, fx.PAD_TOKEN)
+  assert got["ids"][1][-2] == 151665        # the export's <|mask|>, one token in 4.x too
+
+
+def test_train_cli_prints_a_bad_record_as_one_line(user, tmp_path):
+  """on_bad='error' and a record whose first turn is the assistant's: one line naming
+  the file and line, exit 2, no traceback; with skipping on (the shipped default) the
+  same file trains."""
+  path = tmp_path / "bad.jsonl"
+  lines = open(user["chat"]).read().splitlines()
+  lines.insert(2, json.dumps({"messages": [{"role": "assistant", "content": "Hi!"},
+                                           {"role": "user", "content": "2+2?"},
+                                           {"role": "assistant", "content": "4"}]}))
+  path.write_text("\n".join(lines) + "\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  r = subprocess.run([sys.executable, "-m", "mars_jax.train", "--config",
+                      "configs/qwen2_5_0_5b_ar_sft.py", "--workdir", str(tmp_path / "run"),
+                      f"--config.model.init={user['hf']}", f"--config.data.source={path}",
+                      "--config.data.on_bad=error", *SIZE], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert "Traceback" not in r.stderr
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and errors[0].startswith(f"error: {path}:3: assistant_first: ")

@@ -533,13 +533,13 @@ def load_tokenizer(path: str, vocab_size: int | None = None, *,
     check_covers(tok, model_tokenizer, path, model_where)
     reserved_ids = set(reserved_ids) | {i for t, i in model_tokenizer.get_vocab().items()
                                         if t != MASK_TOKEN}
-  if MASK_TOKEN in tok.get_vocab():
-    return tok, tok.convert_tokens_to_ids(MASK_TOKEN)
-  tok.add_tokens([MASK_TOKEN], special_tokens=True)
+  added = MASK_TOKEN not in tok.get_vocab()
+  if added:
+    tok.add_tokens([MASK_TOKEN], special_tokens=True)
   mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
   taken = [i for i in (*tok.get_vocab().values(), *config_token_ids(path), *reserved_ids)
            if i != mask_id]
-  if taken and mask_id <= max(taken):
+  if added and taken and mask_id <= max(taken):
     raise ValueError(
         f"{path}: {MASK_TOKEN} would take row {mask_id}, but id {max(taken)} is in use (by "
         "the tokenizer, config.json or generation_config.json, or the model's own "

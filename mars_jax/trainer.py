@@ -36,6 +36,7 @@ from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.optimizer import make_optimizer, make_schedule
 
 _LOG = logging.getLogger(__name__)
+BAD_RECORDS = "bad_records.txt"   # in the run dir: "file:line: kind: reason" of each
 
 
 @dataclasses.dataclass
@@ -185,6 +186,12 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   if pid == 0:
     log = _LOG.warning if data.stats.bad else _LOG.info
     log("[%s] %s", os.path.basename(run_dir), data.stats.summary())  # starts "data:"
+    if data.stats.bad:
+      os.makedirs(run_dir, exist_ok=True)
+      with open(os.path.join(run_dir, BAD_RECORDS), "w") as f:
+        f.write("".join(line + "\n" for line in data.stats.bad_records))
+      log("[%s] all %d bad records, by file:line: %s", os.path.basename(run_dir),
+          data.stats.bad, os.path.join(run_dir, BAD_RECORDS))
   batch_size = cfg.train.batch_size
   eval_batches = held_out_batches(cfg, data, os.path.basename(run_dir), shard_index=pid,
                                   shard_count=nproc)

@@ -287,3 +287,32 @@ def test_many_bad_records_of_many_kinds_never_stop_a_run(qwen3, tmp_path):
   assert len(data.train) == 15 and data.stats.records == len(lines)
   assert data.stats.bad == len(lines) - 15
   assert "assistant_first=5" in data.stats.summary()
+
+
+def test_one_probe_for_all_turns_equals_probing_each_piece(qwen25, qwen3, monkeypatch):
+  """The fast path (one rendering with sentinels at every piece) gives the spans of the
+  piece-by-piece probes, or declines; checked on chats that take either path."""
+  from mars_jax.data import chat as chat_lib
+  chats = [
+      MULTI,
+      _chat(("system", "S."), ("user", "Hi"), ("assistant", "\nok"), ("user", "More"),
+            ("assistant", "ok\n")),
+      _chat(("user", "4+4?"), ("assistant", "<think>\nfour and four\n</think>\n\n8")),
+      [{"role": "user", "content": "a"},
+       {"role": "assistant", "content": "b", "reasoning_content": "\nr\n"},
+       {"role": "user", "content": "c"},
+       {"role": "assistant", "content": "d", "reasoning_content": "why"}],
+      [{"role": "user", "content": "q"}, {"role": "tool", "content": "t"},
+       {"role": "assistant", "content": " spaced "}],
+  ]
+  fast = {(f, i): target_spans(tok, c) for f, tok in (("2.5", qwen25), ("3", qwen3))
+          for i, c in enumerate(chats)}
+  declined = sum(chat_lib._spans_in_one_probe(
+      tok, c, [k for k, m in enumerate(c) if m["role"] == "assistant"], {},
+      target_spans(tok, c)[0]) is None
+      for tok in (qwen25, qwen3) for c in chats)
+  assert 0 < declined < 2 * len(chats)                     # both paths are exercised
+  monkeypatch.setattr(chat_lib, "_spans_in_one_probe", lambda *a: None)
+  for (f, i), got in fast.items():
+    tok = qwen25 if f == "2.5" else qwen3
+    assert got == target_spans(tok, chats[i]), (f, i)

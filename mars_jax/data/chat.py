@@ -30,6 +30,9 @@ that splits `<think>r</think>reply` (Qwen3) gives a reasoning span and a reply s
 Reasoning the template drops (Qwen3 strips it from turns before the last user
 query) is no target; content it drops or rewrites makes the record a
 "template_error".
+All pieces are first probed in one rendering, a distinct sentinel at each piece's
+start and end (`_spans_in_one_probe`); a chat where that is not a pure insertion is
+probed piece by piece (`_turn_spans`).
 
 `TokenizedSource` formats a whole list of sources once, at index time, into
 flat arrays (~5 bytes per token), so that lengths are checked before training
@@ -162,11 +165,55 @@ def target_spans(tokenizer, messages: Sequence[dict], *, train_on: str = "all",
     raise ValueError(f"data.train_on={train_on!r}; expected one of {TRAIN_ON}.")
   kwargs = template_kwargs or {}
   text = render(tokenizer, messages, kwargs)
-  probe = _Probe(tokenizer, messages, kwargs, text)
   turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-  spans = [s for k in (turns[-1:] if train_on == "last" else turns)
-           for s in _turn_spans(probe, k)]
+  turns = turns[-1:] if train_on == "last" else turns
+  spans = _spans_in_one_probe(tokenizer, messages, turns, kwargs, text)
+  if spans is None:
+    probe = _Probe(tokenizer, messages, kwargs, text)
+    spans = [s for k in turns for s in _turn_spans(probe, k)]
   return text, [s for s in spans if s[1] > s[0]]
+
+
+def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], kwargs,
+                        text: str) -> list[Span] | None:
+  """The spans `_turn_spans` finds first (every piece rendered as given), from one
+  rendering with a distinct sentinel at the start and the end of every piece at once;
+  None when that rendering is anything but `text` with the sentinels inserted (a
+  template that strips or splits a piece), and `_turn_spans` must probe piece by piece.
+  Reasoning whose two sentinels are both absent is dropped by the template."""
+  free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+  probed, pieces = list(messages), []
+  for k in turns:
+    m = dict(probed[k])
+    fields = ([("reasoning_content", False)] if m.get("reasoning_content", "").strip()
+              else []) + [("content", True)]
+    for field, is_content in fields:
+      start, end = next(free, None), next(free, None)
+      if end is None:
+        return None
+      m[field] = start + m[field] + end
+      pieces.append((start, end, is_content, messages[k][field]))
+    probed[k] = m
+  marks = {c for start, end, _, _ in pieces for c in (start, end)}
+  rendered = render(tokenizer, probed, kwargs)
+  at, plain = {}, []
+  for c in rendered:
+    if c in marks:
+      if c in at:
+        return None
+      at[c] = len(plain)
+    else:
+      plain.append(c)
+  if "".join(plain) != text:
+    return None
+  spans = []
+  for start, end, is_content, value in pieces:
+    if start not in at and end not in at and not is_content:
+      continue
+    if start not in at or end not in at or text[at[start]:at[end]] != value:
+      return None
+    spans.append((at[start], at[end], is_content))
+  return spans
 
 
 def _label(offsets: np.ndarray, ids: np.ndarray, spans: list[Span],

@@ -29,7 +29,6 @@ Truncated records (truncation on, some target left) are kept and counted in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 BAD_KINDS = ("malformed", "unknown_role", "empty_content", "empty_assistant", "no_assistant",
@@ -45,7 +44,9 @@ class BadInputError(ValueError):
 class DataStats:
   """Counts of a load: records read, kept, truncated, and bad ones per kind.
 
-  `examples` holds "where: kind: reason" of the first `max_examples` bad records.
+  `examples` holds "where: kind: reason" of the first `max_examples` bad records,
+  `bad_records` that line of every one (the trainer writes them to the run's
+  bad_records.txt).
   """
   on_bad: str = "skip"
   max_examples: int = 5
@@ -55,6 +56,7 @@ class DataStats:
   counts: dict[str, int] = dataclasses.field(
       default_factory=lambda: {kind: 0 for kind in BAD_KINDS})
   examples: list[str] = dataclasses.field(default_factory=list)
+  bad_records: list[str] = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
     if self.on_bad not in POLICIES:
@@ -73,6 +75,7 @@ class DataStats:
       raise BadInputError(f"{line} (on_bad='error'; set on_bad='skip' to skip and count "
                           "bad records instead)")
     self.counts[kind] += 1
+    self.bad_records.append(line)
     if len(self.examples) < self.max_examples:
       self.examples.append(line)
 

@@ -316,3 +316,17 @@ def test_one_probe_for_all_turns_equals_probing_each_piece(qwen25, qwen3, monkey
   for (f, i), got in fast.items():
     tok = qwen25 if f == "2.5" else qwen3
     assert got == target_spans(tok, chats[i]), (f, i)
+
+
+def test_chat_template_kwargs_from_the_config_as_json(tmp_path):
+  """`--config.data.chat_template_kwargs='{...}'` reaches the template; bad JSON names
+  the field and the fix."""
+  tok = qt.build_qwen_tokenizer("qwen2.5", copy=True)
+  tok.chat_template = ("{%- if persona is defined %}<|im_start|>system\n{{ persona }}"
+                       "<|im_end|>\n{%- endif %}" + qt.QWEN25_TEMPLATE)
+  path = _write_jsonl(tmp_path / "d.jsonl", [{"messages": _chat(("user", "Hi"),
+                                                                ("assistant", "Yo"))}])
+  data = load_data({"source": path, "chat_template_kwargs": '{"persona": "A pirate."}'}, tok)
+  assert "A pirate." in tok.decode(data.train[0]["tokens"])
+  with pytest.raises(ValueError, match=r"data.chat_template_kwargs=.*is not JSON.*enable_thinking"):
+    load_data({"source": path, "chat_template_kwargs": "{enable_thinking: false}"}, tok)

@@ -105,7 +105,7 @@ class _Probe:
     stripped = (begin + len(piece) - len(piece.lstrip()),
                 stop - (len(piece) - len(piece.rstrip())))
     rendered = False
-    for lo, hi in ((begin, stop), stripped):
+    for lo, hi in dict.fromkeys([(begin, stop), stripped]):
       end, shown = self.at(k, field, hi)
       rendered |= shown
       start = self.at(k, field, lo)[0] if end is not None else None
@@ -194,18 +194,14 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
       m[field] = start + m[field] + end
       pieces.append((start, end, is_content, messages[k][field]))
     probed[k] = m
-  marks = {c for start, end, _, _ in pieces for c in (start, end)}
+  marks = [c for start, end, _, _ in pieces for c in (start, end)]
   rendered = render(tokenizer, probed, kwargs)
-  at, plain = {}, []
-  for c in rendered:
-    if c in marks:
-      if c in at:
-        return None
-      at[c] = len(plain)
-    else:
-      plain.append(c)
-  if "".join(plain) != text:
+  if any(rendered.count(c) > 1 for c in marks):
     return None
+  if rendered.translate(dict.fromkeys(map(ord, marks))) != text:
+    return None
+  found = sorted((rendered.find(c), c) for c in marks if c in rendered)
+  at = {c: i - rank for rank, (i, c) in enumerate(found)}   # index in `text`
   spans = []
   for start, end, is_content, value in pieces:
     if start not in at and end not in at and not is_content:

@@ -12,7 +12,6 @@ for a run), which the model is then computed with.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Any, Sequence
@@ -36,11 +35,8 @@ def eos_token_ids(tokenizer, config: Qwen2Config, model_dir: str | None = None
   """EOS ids of the config, `generation_config.json` (when in `model_dir`), the chat turn
   end (`<|im_end|>`) and the tokenizer's EOS, deduplicated, within the vocabulary."""
   ids = list(config.eos_token_ids)
-  gen = os.path.join(model_dir or "", "generation_config.json")
-  if model_dir and os.path.isfile(gen):
-    with open(gen) as f:
-      eos = json.load(f).get("eos_token_id")
-    ids += [eos] if isinstance(eos, int) else list(eos or [])
+  eos = (hf.read_generation_config(model_dir) or {}).get("eos_token_id") if model_dir else None
+  ids += [eos] if isinstance(eos, int) else list(eos or [])
   for tok in ("<|im_end|>", tokenizer.eos_token):
     if tok is not None and tok in tokenizer.get_vocab():
       ids.append(tokenizer.convert_tokens_to_ids(tok))

@@ -186,12 +186,15 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   if pid == 0:
     log = _LOG.warning if data.stats.bad else _LOG.info
     log("[%s] %s", os.path.basename(run_dir), data.stats.summary())  # starts "data:"
+    listing = os.path.join(run_dir, BAD_RECORDS)
     if data.stats.bad:
       os.makedirs(run_dir, exist_ok=True)
-      with open(os.path.join(run_dir, BAD_RECORDS), "w") as f:
+      with open(listing, "w") as f:
         f.write("".join(line + "\n" for line in data.stats.bad_records))
       log("[%s] all %d bad records, by file:line: %s", os.path.basename(run_dir),
-          data.stats.bad, os.path.join(run_dir, BAD_RECORDS))
+          data.stats.bad, listing)
+    elif os.path.isfile(listing):   # an earlier invocation's list: this data has none
+      os.remove(listing)
   batch_size = cfg.train.batch_size
   eval_batches = held_out_batches(cfg, data, os.path.basename(run_dir), shard_index=pid,
                                   shard_count=nproc)

@@ -6,7 +6,6 @@ behave like the published ones).
 """
 
 import json
-import os
 
 import numpy as np
 import pytest

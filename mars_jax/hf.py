@@ -474,12 +474,12 @@ def config_token_ids(path: str) -> set[int]:
   """The token ids the checkpoint's config.json and generation_config.json name (bos, eos,
   pad, decoder start), for the `<|mask|>` row to stay clear of."""
   ids: set[int] = set()
-  for name in ("config.json", GENERATION_CONFIG):
-    try:
-      with open(os.path.join(path, name)) as f:
-        record = json.load(f)
-    except (OSError, ValueError):
-      continue
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    config = None
+  for record in (config, read_generation_config(path)):
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
       value = record.get(key) if isinstance(record, dict) else None
       for i in value if isinstance(value, list) else [value]:

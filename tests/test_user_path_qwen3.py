@@ -18,8 +18,6 @@ import qwen_tokenizers as qt
 import user_path_fixtures as fx
 from test_user_path import SIZE, cli
 
-QWEN2_5 = "qwen2.5"
-
 
 @pytest.fixture(scope="module")
 def qwen3_user(tmp_path_factory):
@@ -119,7 +117,7 @@ def test_a_qwen25_tokenizer_for_a_qwen3_model_is_refused_by_name(qwen3_user):
   import sys
   from test_user_path import ROOT
   tok_dir = str(qwen3_user["tmp"] / "qwen2.5-tokenizer")
-  qt.save_tokenizer(qt.build_qwen_tokenizer(QWEN2_5), tok_dir)
+  qt.save_tokenizer(qt.build_qwen_tokenizer("qwen2.5"), tok_dir)
   r = subprocess.run(
       [sys.executable, "-m", "mars_jax.train", "--config", "configs/qwen3_0_6b_mars.py",
        "--workdir", str(qwen3_user["tmp"] / "refused"),

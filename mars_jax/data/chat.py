@@ -49,7 +49,6 @@ from grain.sources import RandomAccessDataSource
 from mars_jax.data.validation import DataStats
 
 TRAIN_ON = ("all", "last")
-_SENTINELS = ("\ue000", "\ue001", "\U000f0000")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 Span = tuple[int, int, bool]     # [start, end) of the text; True: a turn's content
 
@@ -67,6 +66,11 @@ def render(tokenizer, messages: Sequence[dict], template_kwargs: Mapping[str, An
     raise TemplateError(f"the chat template raised {type(e).__name__}: {e}") from e
 
 
+def _free_marks(text: str):
+  """Private-use characters (the sentinels) that `text` does not hold, in order."""
+  return (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+
+
 def _insertion(text: str, probe: str, mark: str) -> int | None:
   """Where `probe` is `text` with `mark` inserted once, or None if it is not that."""
   at = probe.find(mark)
@@ -81,10 +85,10 @@ class _Probe:
   def __init__(self, tokenizer, messages: Sequence[dict], template_kwargs, text: str):
     self.tokenizer, self.messages, self.kwargs, self.text = (
         tokenizer, list(messages), template_kwargs, text)
-    self.mark = next((m for m in _SENTINELS if m not in text), None)
+    self.mark = next(_free_marks(text), None)
     if self.mark is None:
-      raise TemplateError("the chat contains every sentinel character mars_jax marks "
-                          "turns with (U+E000, U+E001, U+F0000)")
+      raise TemplateError("the chat holds every private-use character (U+E000..U+F8FF) "
+                          "that mars_jax marks its pieces with")
 
   def at(self, k: int, field: str, index: int) -> tuple[int | None, bool]:
     """(where the sentinel inserted at `index` of messages[k][field] lands when that is
@@ -181,7 +185,7 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
   None when that rendering is anything but `text` with the sentinels inserted (a
   template that strips or splits a piece), and `_turn_spans` must probe piece by piece.
   Reasoning whose two sentinels are both absent is dropped by the template."""
-  free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+  free = _free_marks(text)
   probed, pieces = list(messages), []
   for k in turns:
     m = dict(probed[k])

@@ -140,8 +140,6 @@ def template_kwargs(value: Any) -> dict[str, Any]:
     except ValueError as e:
       raise ValueError(f"data.chat_template_kwargs={value!r} is not JSON ({e}); pass an "
                        """object, e.g. '{"enable_thinking": false}'.""") from e
-  if isinstance(value, ml_collections.ConfigDict):
-    value = value.to_dict()
   if not isinstance(value, Mapping):
     raise ValueError(f"data.chat_template_kwargs={value!r}; expected a JSON object of "
                      "chat template keyword arguments.")

@@ -9,7 +9,9 @@
   Normalization  loss weights: "sequence" or "token" (`mars_jax.objective`)
   Remat          decoder-layer rematerialisation policy (`mars_jax.models.qwen2`)
   AttentionImpl  "xla" (einsum), "dot_product_attention" (`jax.nn.dot_product_attention`),
-                 "cudnn" (the same, forced to cuDNN)
+                 "cudnn" (the same, forced to cuDNN), "splash" (JAX's Pallas TPU
+                 splash kernel, `mars_jax.models.splash`), "auto" (splash where the
+                 step is compiled for TPU, "xla" elsewhere)
 
 Signatures annotate with these types; the entry points that take a choice from a
 user (configs, CLIs, `sampling.generate`) call `check`, whose error names the
@@ -27,7 +29,7 @@ Kind = Literal["mars", "ar_sft"]
 IntraBlock = Literal["causal", "bidirectional"]
 Normalization = Literal["sequence", "token"]
 Remat = Literal["none", "full", "dots", "dots_with_no_batch_dims", "names"]
-AttentionImpl = Literal["xla", "dot_product_attention", "cudnn"]
+AttentionImpl = Literal["xla", "dot_product_attention", "cudnn", "splash", "auto"]
 
 
 def values(choice: typing.Any) -> tuple[str, ...]:

@@ -239,8 +239,10 @@ class Runtime:
   param_dtype: storage of the weights (the float32 master copy when training).
   dtype: compute of activations; norms, softmax and logits stay float32.
   attention_impl: "xla" (plain einsum), "dot_product_attention"
-    (`jax.nn.dot_product_attention`, backend chosen by JAX) or "cudnn" (the fused
-    cuDNN kernel on GPU).
+    (`jax.nn.dot_product_attention`, backend chosen by JAX), "cudnn" (the fused
+    cuDNN kernel on GPU), "splash" (JAX's Pallas splash kernel on TPU, skipping
+    the mask's empty blocks; interpreted elsewhere, `mars_jax.models.splash`) or
+    "auto" ("splash" where the computation is compiled for TPU, "xla" elsewhere).
   remat: rematerialisation policy of each decoder layer: "none", "full" (save
     nothing), "dots", "dots_with_no_batch_dims" (JAX's matmul policies) or "names"
     (save the model's named checkpoints, `qwen2.CHECKPOINT_NAMES`).

@@ -71,6 +71,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from mars_jax.models import splash
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
     DEFAULT_RUNTIME, PRESETS, Qwen2Config, Runtime, preset, scan_layers_of)
 
@@ -198,8 +199,11 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   with the softmax's division moved after the value product: out = (e @ v) / sum(e),
   e = exp(scores + bias - max), the mask an additive bias and the max a constant to the
   gradient. The [t, s] tensors then see one elementwise pass forward and two backward
-  (docs/performance.md, "Fifth round").
+  (docs/performance.md, "Fifth round"). "splash" runs JAX's Pallas TPU kernel
+  (`mars_jax.models.splash`).
   """
+  if impl == "splash":
+    return splash.splash_attention(q, k, v, mask)
   if impl != "xla":
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None], implementation="cudnn" if impl == "cudnn" else None)
@@ -214,6 +218,20 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   out = jnp.einsum("bkqs,bksd->bkqd", e.reshape(b, kvh, g * t, s).astype(v.dtype), vh,
                    preferred_element_type=jnp.float32).reshape(b, kvh, g, t, d)
   return _heads_back(out / jnp.sum(e, axis=-1)[..., None]).astype(v.dtype)
+
+
+def uncached_attention(q: Array, k: Array, v: Array, mask: Array, impl: str,
+                       spans: Spans | None) -> Array:
+  """`attention` of an uncached pass as `impl` says, span by span where "xla" has
+  `spans` (`span_attention`); "auto" is "splash" where the computation is lowered for
+  TPU and "xla" on every other backend (`jax.lax.platform_dependent`)."""
+  if impl == "auto":
+    return jax.lax.platform_dependent(
+        q, k, v, mask, tpu=splash.splash_attention,
+        default=lambda *a: uncached_attention(*a, impl="xla", spans=spans))
+  if spans is not None and impl == "xla":
+    return span_attention(q, k, v, mask, spans)
+  return attention(q, k, v, mask, impl)
 
 
 def span_attention(q: Array, k: Array, v: Array, mask: Array, spans: Spans) -> Array:
@@ -348,9 +366,7 @@ class Attention(nn.Module):
                                   KV_HEADS_AXES), "value")
     new_kv = None
     if cache is None:
-      out = (span_attention(q, k, v, mask, self.spans)
-             if self.spans is not None and rt.attention_impl == "xla"
-             else attention(q, k, v, mask, rt.attention_impl))
+      out = uncached_attention(q, k, v, mask, rt.attention_impl, self.spans)
     else:  # decoding: read the cache, hand this step's K/V back for one write of all layers
       new_kv = {"k": k.astype(cache["k"].dtype), "v": v.astype(cache["v"].dtype)}
       out = cached_attention(q, new_kv["k"].astype(rt.jnp_dtype),

@@ -10,8 +10,12 @@ Usage: launch/local.sh [--num-processes N] [--devices-per-process D] [--port P]
 
 Starts N processes of `python -m mars_jax.train <train args>` on localhost, each with
 D simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=D), a
-coordinator at localhost:P, and logs in DIR/process_<i>.log. Exits non-zero if any
-process fails. --dry-run prints the commands instead of running them.
+coordinator at localhost:P, and logs in DIR/process_<i>.log. A SIGTERM to this
+script goes to every process (as SLURM and TPU VM preemption send it to every task),
+which save a checkpoint at the same step and exit with status 143. Exits 0 when
+every process succeeds, 143 when every process stopped that way (rerun the same
+command to resume, docs/preemption.md), 1 otherwise. --dry-run prints the commands
+instead of running them.
 
 Example:
   launch/local.sh --num-processes 2 --devices-per-process 2 -- \
@@ -50,13 +54,23 @@ for ((i = 0; i < n; i++)); do
 done
 [[ $dry == 1 ]] && exit 0
 
-status=0
+# `wait` returns early (status > 128) when a trapped signal arrives: wait again
+# while the process still runs; a finished process's status stays available.
+status_of() {
+  while wait "$1"; [[ $? -gt 128 ]] && kill -0 "$1" 2>/dev/null; do :; done
+  wait "$1"
+}
+trap 'kill -TERM "${pids[@]}" 2>/dev/null || true' TERM
+
+codes=()
 for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "local.sh: process $i failed; see $logdir/process_$i.log" >&2
+  status_of "${pids[$i]}" && codes+=(0) || codes+=($?)
+  if [[ ${codes[$i]} != 0 ]]; then
+    echo "local.sh: process $i exited with status ${codes[$i]}; see $logdir/process_$i.log" >&2
     tail -n 20 "$logdir/process_$i.log" >&2
-    status=1
   fi
 done
 echo "local.sh: logs in $logdir"
-exit $status
+all=$(printf '%s\n' "${codes[@]}" | sort -u)
+[[ $all == 0 || $all == 143 ]] && exit "$all"
+exit 1

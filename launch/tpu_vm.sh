@@ -17,6 +17,12 @@ Usage: launch/tpu_vm.sh --name NAME --zone ZONE [--type v5p-32] [--version RUNTI
 4. copies each worker's log to --logdir; --delete removes the slice at the end.
 --dry-run prints every gcloud command instead of running it.
 
+Preemption (spot or preemptible slices, maintenance; docs/preemption.md): every
+worker's process gets SIGTERM, they save a checkpoint at the same step and exit
+143 (the remote command keeps python's status: pipefail), and this script exits
+non-zero; rerun it with the same arguments once the slice is back to resume. The
+log's tee ignores SIGTERM and a closed ssh session, so the log records the save.
+
 Example:
   launch/tpu_vm.sh --name mars --zone us-east5-a --type v5p-32 -- \
       --config configs/qwen2_5_7b_mars.py --workdir gs://bucket/runs/7b_mars
@@ -48,9 +54,9 @@ gc=(gcloud compute tpus tpu-vm)
 scope=(--zone "$zone"); [[ -n "$project" ]] && scope+=(--project "$project")
 run() { if [[ $dry == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi; }
 
-train="cd mars_jax && python -m mars_jax.train"
+train="set -o pipefail; cd mars_jax && python -m mars_jax.train"
 for a in "$@"; do train+=" $(printf '%q' "$a")"; done
-train+=" 2>&1 | tee \$HOME/mars_train_\$(hostname).log"
+train+=" 2>&1 | (trap '' TERM; exec tee -p \$HOME/mars_train_\$(hostname).log)"
 install="cd mars_jax && pip install -q -r requirements.txt && pip install -q -U 'jax[tpu]>=0.11'"
 
 if [[ $dry == 1 ]] || ! "${gc[@]}" describe "$name" "${scope[@]}" >/dev/null 2>&1; then

@@ -7,6 +7,10 @@ stage, final evaluation, export). Fields: see mars_jax/train_config.py.
 A config or data error (a bad value, a missing file, bad records under
 data.on_bad="error", a refused export directory) prints one line, `error: ...`, and
 exits with status 2; MARS_JAX_TRACEBACK=1 shows the traceback instead.
+
+A SIGTERM makes every process save a checkpoint after the same step and exit with
+status 143 (`trainer.PREEMPTED_EXIT`); rerunning the same command resumes from it
+(docs/preemption.md).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+import jax
 from ml_collections import config_flags
 
-from mars_jax import distributed, experiment
+from mars_jax import distributed, experiment, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -45,6 +50,10 @@ def main(argv) -> None:
   _LOG.info("%s", distributed.env_summary())
   try:
     experiment.run(cfg, _WORKDIR.value)
+  except trainer.Preempted as e:
+    _LOG.warning("process %d: %s; exiting with status %d", jax.process_index(), e,
+                 trainer.PREEMPTED_EXIT)
+    sys.exit(trainer.PREEMPTED_EXIT)
   except (ValueError, FileNotFoundError, NotADirectoryError) as e:
     if os.environ.get("MARS_JAX_TRACEBACK"):
       raise

@@ -12,14 +12,25 @@ Eval loss: every `train.eval_every` steps (on a log step) over the first
 `train.eval_batches` global batches of the data's eval set. It is off, with a
 one-line notice, when the data has no eval set (a file source without
 `data.num_eval` or `data.eval_source`), and off when `train.eval_batches` is 0.
+
+SIGTERM (a spot VM's or a scheduler's notice, docs/preemption.md): the step in
+progress finishes, every process stops after the same step, saves a checkpoint of
+it (data-iterator state included), waits for the save, and `run_stage` raises
+`Preempted`; the train CLI exits with `PREEMPTED_EXIT`. A second SIGTERM while
+saving is ignored. One process: a Python handler that only sets a flag, installed
+for the loop and restored after it. Several: JAX's preemption service (its handler
+from `jax.distributed.initialize`, on by default), whose sync point is the first
+step boundary every process reaches after a notice on any of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -37,6 +48,19 @@ from mars_jax.optimizer import make_optimizer, make_schedule
 
 _LOG = logging.getLogger(__name__)
 BAD_RECORDS = "bad_records.txt"   # in the run dir: "file:line: kind: reason" of each
+# The train CLI's exit status after a SIGTERM stopped it with its checkpoint saved:
+# 128 + SIGTERM, what shells, srun and container runtimes report for a process that
+# SIGTERM ended, so wrappers that requeue such jobs requeue this one too.
+PREEMPTED_EXIT = 128 + signal.SIGTERM
+
+
+class Preempted(Exception):
+  """A SIGTERM stopped the stage after `step`, whose checkpoint is complete."""
+
+  def __init__(self, run_dir: str, step: int):
+    super().__init__(f"{run_dir}: stopped by SIGTERM after step {step}, checkpoint saved; "
+                     "rerun the same command to resume")
+    self.run_dir, self.step = run_dir, step
 
 
 @dataclasses.dataclass
@@ -172,6 +196,37 @@ def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:
                         ("kind", "block_size", "ar_weight", "intra_block", "normalization")}}
 
 
+@contextlib.contextmanager
+def sigterm_notice(reached_sync_point):
+  """-> `stop(step) -> bool`: True at the first step boundary after a SIGTERM, at the
+  same step on every process; call it at every step, with the same steps everywhere.
+
+  Several processes: `reached_sync_point` (orbax's `CheckpointManager.reached_preemption`,
+  JAX's preemption service; False when that service is off). One process: a SIGTERM
+  handler that only sets a flag, the previous handler restored on exit.
+  """
+  if jax.process_count() > 1:
+    yield reached_sync_point
+    return
+  signalled = []
+  previous = signal.signal(signal.SIGTERM, lambda *_: signalled.append(True))
+  try:
+    yield lambda step: bool(signalled)
+  finally:   # None: the previous handler was not set from Python
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def _closing(bar, writer, ckpt):
+  """Closes the progress bar, the metrics and the checkpointer (waiting for its saves)."""
+  try:
+    yield
+  finally:
+    bar.close()
+    writer.close()
+    ckpt.close()
+
+
 def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
               init_params: Any, tokenizer, mask_id: int, *,
               generation_config: dict | None = None) -> StageResult:
@@ -240,7 +295,8 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
   last_t, last_step = time.time(), start
   end = min(total, cfg.train.stop_at_step or total)
   rows_cut = 0.0   # rows whose target blocks did not fit the stream (summed on device)
-  try:
+  preempted = False
+  with sigterm_notice(ckpt.manager.reached_preemption) as stop, _closing(bar, writer, ckpt):
     for step in range(start, end):
       state, metrics = step_fn(state, global_batch(next(it), batch_sharding))
       rows_cut = rows_cut + metrics["rows_cut"]
@@ -258,12 +314,16 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
         writer.write(done, m)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
       bar.update(1)
+      preempted = stop(done)
       ckpt.save(done, state.params, {"step": state.step, "opt_state": state.opt_state},
-                it.get_state(), force=done == end)
-  finally:
-    bar.close()
-    writer.close()
-    ckpt.close()
+                it.get_state(), force=done == end or preempted)
+      if preempted:
+        if pid == 0:
+          _LOG.warning("[%s] SIGTERM: saving step %d, then stopping", os.path.basename(run_dir),
+                       done)
+        break
+  if preempted:   # after `_closing` waited for the save to finish
+    raise Preempted(run_dir, done)
   if pid == 0 and history and history[-1]["rows_cut"]:
     _LOG.warning("[%s] warning: %.0f rows in this invocation had more target-block positions "
                  "than the target stream's %s; their targets past it were not trained on "

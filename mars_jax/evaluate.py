@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
+from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
 
@@ -135,7 +136,7 @@ def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, win
     res = sampling.generate(model.config, model.params, prompts[i:i + batch_size],
                             max_new_tokens=max_new_tokens, mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=tau, window=window,
-                            metric=metric, runtime=model.runtime)
+                            metric=metric, runtime=model.runtime, mesh=model.mesh)
     for j, toks in enumerate(res.tokens):
       text = model.tokenizer.decode(toks, skip_special_tokens=True)
       ok = synthetic.is_correct(text, problems[i + j]["answer"])
@@ -234,6 +235,10 @@ def main(argv=None) -> None:
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--out", default=None, help="directory for results.json and pareto.png")
+  p.add_argument("--mesh", default=None,
+                 help="decode on a mesh of the devices: AXIS=SIZE pairs over data, fsdp, "
+                      "tensor (e.g. tensor=8 or data=2,tensor=4; see docs/serving.md); "
+                      "default: one device")
   args = p.parse_args(argv)
   try:
     run(args)
@@ -266,7 +271,7 @@ def run(args) -> None:
     if given:
       raise ValueError(f"{', '.join(given)} apply to --task synthetic only.")
     problems = load_problems(args.task, args.num_problems or 500)
-  model = load_model(args.model)
+  model = load_model(args.model, mesh=decode_mesh.mesh_from_flag(args.mesh))
   windows = [int(w) for w in args.windows.split(",")]
   warn_untrained_windows(args.model, windows)
   rows = sweep(model, problems, taus=_floats(args.taus),

@@ -3,6 +3,7 @@
   python -m mars_jax.generate --model HF_DIR --prompt "What is 2+3?"
   python -m mars_jax.generate --model RUN_DIR[/STEP] --prompts prompts.jsonl \\
       --window 5 --tau 0.95 --metric margin
+  python -m mars_jax.generate --model HF_DIR --prompt "..." --mesh tensor=8
 
 --model is a Hugging Face directory (config.json + safetensors + tokenizer) or a
 training run directory (latest checkpoint, or RUN_DIR/STEP). Prompts get the
@@ -21,6 +22,7 @@ from typing import Sequence
 
 from mars_jax import choices, gates, sampling
 from mars_jax.choices import Mode
+from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
 from mars_jax.models.qwen2 import Runtime
 
@@ -74,6 +76,10 @@ def main(argv=None) -> None:
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="weights and compute dtype (default: float32 for an HF directory, "
                       "the run's own for a training run)")
+  p.add_argument("--mesh", default=None,
+                 help="decode on a mesh of the devices: AXIS=SIZE pairs over data, fsdp, "
+                      "tensor (e.g. tensor=8 or data=2,tensor=4; see docs/serving.md); "
+                      "default: one device")
   args = p.parse_args(argv)
   try:
     run(args)
@@ -85,7 +91,7 @@ def run(args) -> None:
   """The command on parsed arguments (see `main`)."""
   window = args.window if args.window == "auto" else int(args.window)
   runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
-  model = load_model(args.model, runtime=runtime)
+  model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
   if window != "auto":
     warn_untrained_windows(args.model, [window])
   config, params, tokenizer = model.config, model.params, model.tokenizer
@@ -103,7 +109,7 @@ def run(args) -> None:
                             mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=args.tau,
                             window=window, mode=args.mode,
-                            metric=args.metric, runtime=model.runtime)
+                            metric=args.metric, runtime=model.runtime, mesh=model.mesh)
     for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
       print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "
             f"{len(toks) / fwd:.2f} tokens/forward")

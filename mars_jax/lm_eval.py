@@ -23,7 +23,9 @@ model_args: pretrained (an HF directory, a run directory or RUN_DIR/STEP), windo
 (int >= 1 or "auto"), tau, metric (probability | margin | entropy), mode (gated |
 lossless), batch_size, dtype (float32 | bfloat16 | float16: weights and compute),
 attention_impl, max_length (default: the model's max_position_embeddings),
-max_gen_toks (default budget when a task sets none: 256).
+max_gen_toks (default budget when a task sets none: 256), mesh (decode on a mesh
+of the devices, AXIS=SIZE pairs joined by "+" since commas separate model_args:
+mesh=data=2+tensor=4, or mesh=tensor=8; see docs/serving.md).
 
 Tokens per forward: generated tokens (EOS included) / forwards of the samples,
 accumulated per task over the generate_until requests, and added to each task's
@@ -66,6 +68,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from mars_jax import gates, masks, objective, sampling  # noqa: E402
 from mars_jax.choices import Metric, Mode  # noqa: E402
 from mars_jax.decoding import batching  # noqa: E402
+from mars_jax.decoding import mesh as decode_mesh  # noqa: E402
 from mars_jax.loading import load_model, warn_untrained_windows  # noqa: E402
 from mars_jax.models import qwen2  # noqa: E402
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime  # noqa: E402
@@ -124,7 +127,8 @@ class MarsJaxLM(TemplateLM):
                metric: Metric = "probability", mode: Mode = "gated", batch_size: int | str = 8,
                dtype: str | None = None, attention_impl: str | None = None,
                max_length: int | None = None, max_gen_toks: int = 256,
-               device: str | None = None, max_batch_size: int | None = None) -> None:
+               mesh: str | None = None, device: str | None = None,
+               max_batch_size: int | None = None) -> None:
     super().__init__()
     del device, max_batch_size  # JAX places the model; batches are fixed-size
     if isinstance(batch_size, str) and not batch_size.isdigit():
@@ -144,7 +148,8 @@ class MarsJaxLM(TemplateLM):
           **({"param_dtype": str(dtype), "dtype": str(dtype)} if dtype is not None else {}),
           **({"attention_impl": str(attention_impl)} if attention_impl is not None else {}))
     self.pretrained = str(pretrained)
-    self.model = load_model(self.pretrained, runtime=runtime)
+    mesh = decode_mesh.mesh_from_flag(mesh and str(mesh).replace("+", ","))
+    self.model = load_model(self.pretrained, runtime=runtime, mesh=mesh)
     batching.check_args(self.model.config,
                         window=4 if self.window == "auto" else self.window, mode=self.mode,
                         mask_token_id=self.model.mask_token_id)
@@ -270,7 +275,8 @@ class MarsJaxLM(TemplateLM):
             self.model.config, self.model.params, [prompts[i] for i in batch],
             max_new_tokens=budget, mask_token_id=self.model.mask_token_id,
             eos_token_ids=self.model.eos_token_ids, tau=self.tau, window=self.window,
-            metric=self.metric, mode=self.mode, runtime=self.model.runtime)
+            metric=self.metric, mode=self.mode, runtime=self.model.runtime,
+            mesh=self.model.mesh)
         for i, toks, fwd in zip(batch, res.tokens, res.num_forwards):
           text = self.tokenizer.decode(cut_at_eos(toks, self.model.eos_token_ids),
                                        skip_special_tokens=True)

@@ -1,12 +1,15 @@
 """Load a model for inference from an HF directory or a training run (checkpoint).
 
-  load_model(path, runtime=None) -> LoadedModel(config, runtime, params, tokenizer,
-                                               mask_token_id, eos_token_ids)
+  load_model(path, runtime=None, mesh=None) -> LoadedModel(config, runtime, params,
+                                      tokenizer, mask_token_id, eos_token_ids, mesh)
 
 `path` is an HF directory (config.json + safetensors + tokenizer files), a run
 directory (its latest checkpoint), or RUN_DIR/<step>. The params come in the
 layout of `runtime` (default: float32 for an HF directory, the run's own runtime
-for a run), which the model is then computed with.
+for a run), which the model is then computed with. With a `mesh` they are placed
+with the decode shardings (`mars_jax.decoding.mesh`): a checkpoint is restored
+straight into them, an HF directory is staged on the host (CPU) device first, so no
+accelerator holds the whole model.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import logging
 import os
 from typing import Any, Sequence
 
+import jax
+from jax.sharding import Mesh
+
 from mars_jax import checkpoint, hf
+from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 
@@ -28,6 +35,7 @@ class LoadedModel:
   tokenizer: Any
   mask_token_id: int
   eos_token_ids: tuple[int, ...]
+  mesh: Mesh | None = None  # where the params are placed (None: one device)
 
 
 def eos_token_ids(tokenizer, config: Qwen2Config, model_dir: str | None = None
@@ -43,22 +51,42 @@ def eos_token_ids(tokenizer, config: Qwen2Config, model_dir: str | None = None
   return tuple(dict.fromkeys(i for i in ids if i is not None and i < config.vocab_size))
 
 
-def load_model(path: str, *, runtime: Runtime | None = None) -> LoadedModel:
-  """Config, runtime, params and tokenizer (with `<|mask|>`) from an HF dir or a run."""
+def _host_device():
+  """The CPU device (None where the CPU platform is off): where an HF directory's
+  weights are staged before they are split over a mesh."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
+
+
+def load_model(path: str, *, runtime: Runtime | None = None,
+               mesh: Mesh | None = None) -> LoadedModel:
+  """Config, runtime, params and tokenizer (with `<|mask|>`) from an HF dir or a run;
+  mesh: place the params for decoding on it (None: the first device)."""
   if os.path.isfile(os.path.join(path, "config.json")):
     runtime = runtime or DEFAULT_RUNTIME
-    config, params = hf.load_pretrained(path, dtype=runtime.param_dtype,
-                                        scan_layers=runtime.scan_layers)
+    with jax.default_device(_host_device() if mesh is not None else None):
+      config, params = hf.load_pretrained(path, dtype=runtime.param_dtype,
+                                          scan_layers=runtime.scan_layers)
     tok_dir = path
   else:
-    config, runtime, params = checkpoint.load_params(path, runtime=runtime)
+    shardings = None
+    if mesh is not None:
+      stored_config, stored = checkpoint.config_from_layout(
+          checkpoint.read_layout(checkpoint.resolve_checkpoint(path)[0]))
+      shardings = decode_mesh.param_shardings(stored_config, mesh, stored)
+    config, runtime, params = checkpoint.load_params(path, runtime=runtime,
+                                                     shardings=shardings)
     tok_dir = checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0])
     if not os.path.isdir(tok_dir):
       raise FileNotFoundError(f"{tok_dir}: the run saved no tokenizer; export it with a "
                               "tokenizer or pass an HF directory.")
+  if mesh is not None:
+    params = decode_mesh.place_params(config, params, mesh, runtime)
   tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
   return LoadedModel(config, runtime, params, tokenizer, mask_id,
-                     eos_token_ids(tokenizer, config, tok_dir))
+                     eos_token_ids(tokenizer, config, tok_dir), mesh)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

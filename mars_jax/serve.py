@@ -22,6 +22,10 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
   4. stream: the tokens each request committed since the last step come back as
      `Update`s; a finished request becomes a `Completion` and frees its row.
 
+On a mesh (`mesh=`, from `sharding.make_mesh`) the weights are placed once with the
+decode shardings and the state lives split over it (`mars_jax.decoding.mesh`); the
+buckets are then multiples of data x fsdp as well.
+
 Every row is decoded as if it were alone (per-sample cursors, gates and budgets),
 so a request gets the tokens it gets from `sampling.generate` alone at the same W;
 in lossless mode, the greedy AR tokens whatever W the policy picks.
@@ -36,10 +40,12 @@ from typing import Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from mars_jax import gates
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import batching, loop, rounds, timing
+from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.window_policy import FixedWindow, WindowPolicy
 
@@ -88,7 +94,8 @@ class Server:
   mode: "gated" or "lossless" (see `sampling`); tau, metric: the gate of requests
   that do not give their own; prefill_chunk: width of the prefill steps (longer
   prompts take several); round_steps: steps between two host round trips
-  (a fixed window; a policy brings its own).
+  (a fixed window; a policy brings its own); mesh: the mesh to decode on (None: one
+  device).
   """
 
   def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,
@@ -96,23 +103,30 @@ class Server:
                min_batch_size: int | None = None, max_len: int = 512,
                window: int | WindowPolicy | FixedWindow = 1, mode: Mode = "gated", tau: float = 1.0,
                metric: Metric = "probability", prefill_chunk: int = 64,
-               round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME):
+               round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME,
+               mesh: Mesh | None = None):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, round_steps=round_steps))
     batching.check_args(config, window=max(self.policy.windows), mode=mode,
                         mask_token_id=mask_token_id)
     gates.metric_ids(metric, 1)
-    self.max_batch = batching.pow2(batch_size)
-    self.min_batch = min(batching.pow2(min_batch_size or batch_size), self.max_batch)
+    self.max_batch = decode_mesh.batch_rows(batch_size, mesh)
+    self.min_batch = min(decode_mesh.batch_rows(min_batch_size or batch_size, mesh),
+                         self.max_batch)
     if prefill_chunk < max(self.policy.windows):
       raise ValueError(f"prefill_chunk={prefill_chunk} is below the largest window.")
+    if mesh is not None:
+      params = decode_mesh.place_params(config, params, mesh, runtime)
     self.config, self.runtime, self.params, self.mode = config, runtime, params, mode
+    self.mesh = mesh
     self.mask_token_id, self.tau, self.metric = mask_token_id, tau, metric
     self.eos_ids = batching.eos_array(eos_token_ids)
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
     self.measure = timing.measure_fn(config, params, mode=mode,
-                                     mask_token_id=mask_token_id, runtime=runtime)
-    self.state = loop.new_state(config, self.min_batch, max_len, runtime=runtime)
+                                     mask_token_id=mask_token_id, runtime=runtime, mesh=mesh)
+    self.state = (loop.new_state(config, self.min_batch, max_len, runtime=runtime)
+                  if mesh is None else
+                  decode_mesh.new_state(config, mesh, self.min_batch, max_len, runtime=runtime))
     self.slots: list[int | None] = [None] * self.min_batch
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
@@ -123,7 +137,8 @@ class Server:
   def from_model(cls, model, **kwargs) -> "Server":
     """A server over a `mars_jax.loading.LoadedModel` (its mask and EOS ids)."""
     return cls(model.config, model.params, mask_token_id=model.mask_token_id,
-               eos_token_ids=model.eos_token_ids, runtime=model.runtime, **kwargs)
+               eos_token_ids=model.eos_token_ids, runtime=model.runtime,
+               **{"mesh": model.mesh, **kwargs})
 
   @property
   def active(self) -> int:
@@ -154,14 +169,14 @@ class Server:
 
   def _resize(self) -> None:
     """Moves the active rows to the bucket the load asks for (see the module doc)."""
-    want = min(max(batching.pow2(self.active + len(self.queue)), self.min_batch),
-               self.max_batch)
+    want = min(max(decode_mesh.batch_rows(self.active + len(self.queue), self.mesh),
+                   self.min_batch), self.max_batch)
     if want == len(self.slots):
       return
     keep = [i for i, r in enumerate(self.slots) if r is not None]
     rows = np.full((want,), len(self.slots), np.int32)
     rows[:len(keep)] = keep
-    self.state = loop.regroup(self.state, rows)
+    self.state = loop.regroup(self.state, rows, mesh=self.mesh)
     self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
 
   def _refill(self) -> tuple[int, int]:
@@ -180,7 +195,7 @@ class Server:
     for row, r in zip(free, started):
       self.slots[row] = r.request_id
     self.state = loop.insert(self.state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
-                             new.tau, new.metric)
+                             new.tau, new.metric, mesh=self.mesh)
     width = min(new.prompt.shape[1], self.prefill_chunk)
     return width, math.ceil(max(len(r.prompt) for r in started) / width)
 
@@ -194,7 +209,7 @@ class Server:
         self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
         mask_token_id=self.mask_token_id, mode=self.mode, measure=self.measure,
         real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),
-        runtime=self.runtime)
+        runtime=self.runtime, mesh=self.mesh)
     return self._harvest()
 
   def _harvest(self) -> list[Update]:

@@ -17,6 +17,9 @@ them; activations are pinned while the model is traced under `activation_shardin
   activation_batch                            data, fsdp
   activation_heads, _kv_heads, _mlp, _vocab   tensor
   activation_length, activation_embed         replicated
+
+Decoding uses `DECODE_RULES`, the same table with `embed` unsplit (see
+`mars_jax.decoding.mesh`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ LOGICAL_AXIS_RULES: Rules = (
     ("activation_length", None),
     ("activation_embed", None),
 )
+
+# Decoding: the training table with `embed` unsplit, so a decoding forward gathers no
+# weights over fsdp (an fsdp axis of a decoding mesh splits rows, like data).
+DECODE_RULES: Rules = tuple((name, None if name == "embed" else axes)
+                            for name, axes in LOGICAL_AXIS_RULES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,23 +62,33 @@ bounded number of steps (a round) on a state that `insert` can refill row by row
 and `regroup` can move to another batch bucket: `mars_jax.decoding.rounds` and
 `mars_jax.serve` build the load-aware window and continuous batching on them.
 The host side (buckets, checks, results) is `mars_jax.decoding.batching`.
+
+On a mesh (`mesh=`, static: one compilation per mesh) every kernel traces the
+model under `sharding.DECODE_RULES` and pins the state it returns (`pin`): rows
+on the batch axes (data, fsdp), the cache also on kv_heads (tensor). The weights
+come in placed (`mars_jax.decoding.mesh`); mesh=None is one device, unconstrained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
 
-from mars_jax import gates
+from mars_jax import gates, sharding
 from mars_jax.choices import Mode
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 Array = jax.Array
+ROW_AXES = P("activation_batch")
+SEQ_AXES = P("activation_batch", "activation_length")
+CACHE_AXES = P(None, "activation_batch", "activation_kv_heads", "activation_length", None)
 
 
 @struct.dataclass
@@ -111,6 +121,26 @@ class DecodeState:
   done: Array
   forwards: Array
   steps: Array
+
+
+def state_axes() -> DecodeState:
+  """The logical axes of every field (a `DecodeState` of `PartitionSpec`s)."""
+  per_row = {f.name: ROW_AXES for f in dataclasses.fields(DecodeState)
+             if f.name not in ("seq", "cache", "steps")}
+  return DecodeState(seq=SEQ_AXES, cache={"k": CACHE_AXES, "v": CACHE_AXES}, steps=P(),
+                     **per_row)
+
+
+def pin(state: DecodeState) -> DecodeState:
+  """`state` with every field pinned to its logical axes (`qwen2.constrain`: a no-op
+  unless traced `on_mesh`)."""
+  return jax.tree.map(lambda x, axes: qwen2.constrain(x, tuple(axes)), state, state_axes())
+
+
+def on_mesh(mesh: Mesh | None):
+  """The context a kernel traces in: `mesh` and the decoding rules bound, or nothing."""
+  return (contextlib.nullcontext() if mesh is None
+          else sharding.activation_sharding(mesh, sharding.DECODE_RULES))
 
 
 def _hidden(config: Qwen2Config, runtime: Runtime, params, tokens, positions, cache,
@@ -193,13 +223,13 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   new_cursor = jnp.where(partial, cursor + real_slots,
                          jnp.where(active, length + jnp.minimum(drafts_fed, accepted - 1),
                                    cursor))
-  return state.replace(
+  return pin(state.replace(
       seq=state.seq.at[rows, dest].set(out, mode="drop"), cache=cache,
       cursor=new_cursor, length=new_length,
       draft=jnp.where(proposing, next_drafts, state.draft),
       done=state.done | hit_eos | (new_length >= state.limit),
       forwards=state.forwards + proposing.astype(jnp.int32),
-      steps=state.steps + 1)
+      steps=state.steps + 1))
 
 
 def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
@@ -215,9 +245,10 @@ def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
       done=jnp.ones((batch,), bool), forwards=zeros(), steps=jnp.zeros((), jnp.int32))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh",))
 def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
-           max_new_tokens: Array, tau: Array, metric: Array) -> DecodeState:
+           max_new_tokens: Array, tau: Array, metric: Array, *,
+           mesh: Mesh | None = None) -> DecodeState:
   """Starts new samples in rows of a state, leaving the other rows as they are.
 
   rows: int32[k] (entries >= b are ignored); prompt: int32[k, P] right-padded;
@@ -230,16 +261,17 @@ def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
   p = prompt.shape[1]
   seq = state.seq.at[rows, :p].set(prompt, mode="drop")
   zeros = jnp.zeros_like(prompt_len)
-  return state.replace(
-      seq=seq, cursor=put(state.cursor, zeros), length=put(state.length, prompt_len),
-      draft=put(state.draft, zeros), prompt_len=put(state.prompt_len, prompt_len),
-      limit=put(state.limit, prompt_len + max_new_tokens), tau=put(state.tau, tau),
-      metric=put(state.metric, metric), done=put(state.done, max_new_tokens <= 0),
-      forwards=put(state.forwards, zeros))
+  with on_mesh(mesh):
+    return pin(state.replace(
+        seq=seq, cursor=put(state.cursor, zeros), length=put(state.length, prompt_len),
+        draft=put(state.draft, zeros), prompt_len=put(state.prompt_len, prompt_len),
+        limit=put(state.limit, prompt_len + max_new_tokens), tau=put(state.tau, tau),
+        metric=put(state.metric, metric), done=put(state.done, max_new_tokens <= 0),
+        forwards=put(state.forwards, zeros)))
 
 
-@jax.jit
-def regroup(state: DecodeState, rows: Array) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def regroup(state: DecodeState, rows: Array, *, mesh: Mesh | None = None) -> DecodeState:
   """A state of len(rows) rows: row i is old row rows[i], or padding where rows[i] >= b.
 
   rows: int32[b'] -> the state with batch bucket b' (same cache length).
@@ -248,16 +280,18 @@ def regroup(state: DecodeState, rows: Array) -> DecodeState:
   idx = jnp.minimum(rows, b - 1)
   per_row = {f.name: getattr(state, f.name)[idx] for f in dataclasses.fields(state)
              if f.name not in ("cache", "steps")}
-  return state.replace(**{**per_row, "done": per_row["done"] | (rows >= b)},
-                       cache=jax.tree.map(lambda a: a[:, idx], state.cache))
+  with on_mesh(mesh):
+    return pin(state.replace(**{**per_row, "done": per_row["done"] | (rows >= b)},
+                             cache=jax.tree.map(lambda a: a[:, idx], state.cache)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "real_slots", "mode"),
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "real_slots", "mode",
+                                             "mesh"),
                    donate_argnames=("state",))
 def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
               mask_token_id: Array, max_steps: Array, stop_on_finish: Array, *,
               window: int, real_slots: int, mode: Mode,
-              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+              runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """Decoding steps on `state` until every row is done, `max_steps` forwards ran,
   or (stop_on_finish) some row finished; each step feeds up to `real_slots`
   pending tokens per row (after `insert`, a wide first call prefills).
@@ -274,51 +308,58 @@ def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
   step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
                            mask_token_id=mask_token_id, real_slots=real_slots,
                            window=window, mode=mode)
-  return jax.lax.while_loop(cond, step, state)
+  with on_mesh(mesh):
+    return jax.lax.while_loop(cond, step, pin(state))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "runtime", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "cache_len", "mesh"))
 def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens: Array,
           tau: Array, metric: Array, *, cache_len: int,
-          runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+          runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """A state of b = len(prompt) rows starting the prompts (arguments as `insert`;
   rows with max_new_tokens 0 are padding), nothing run yet."""
   b = prompt.shape[0]
   return insert(new_state(config, b, cache_len, runtime=runtime), jnp.arange(b), prompt,
-                prompt_len, max_new_tokens, tau, metric)
+                prompt_len, max_new_tokens, tau, metric, mesh=mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len",
+                                             "mesh"))
 def prefill(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
             max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
             mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
-            runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+            runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """`start`, then the first forward: the whole prompt as pending tokens, so it yields
   the first `window` proposals too (arguments as `decode`) -> the state after it."""
   state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len,
-                runtime=runtime)
-  return advance(config, runtime, params, state, eos_ids, mask_token_id,
-                 real_slots=prompt.shape[1], window=window, mode=mode)
+                runtime=runtime, mesh=mesh)
+  with on_mesh(mesh):
+    return advance(config, runtime, params, state, eos_ids, mask_token_id,
+                   real_slots=prompt.shape[1], window=window, mode=mode)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len",
+                                             "mesh"))
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
            mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
-           runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+           runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """Prefill, then the decoding loop until every sample is done.
 
   prompt: int32[b, P] right-padded; prompt_len: int32[b] (>= 1);
   max_new_tokens: int32[b] (0 marks a padding row); tau: float32[b];
   metric: int32[b] (index into `gates.METRICS`); eos_ids: int32[e] (entries < 0
   are padding); mask_token_id: int32[];
-  cache_len: S >= max(prompt_len + max_new_tokens) + window - 1.
+  cache_len: S >= max(prompt_len + max_new_tokens) + window - 1;
+  mesh: None (one device), or the mesh the params are placed on (rows split over
+  data x fsdp: b divisible by their size).
   -> the final `DecodeState`; sample i generated seq[i, prompt_len[i]:length[i]].
   """
   state = prefill(config, params, prompt, prompt_len, max_new_tokens, tau, metric, eos_ids,
                   mask_token_id, window=window, mode=mode, cache_len=cache_len,
-                  runtime=runtime)
+                  runtime=runtime, mesh=mesh)
   step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
                            mask_token_id=mask_token_id, window=window, mode=mode,
                            real_slots=window)
-  return jax.lax.while_loop(lambda st: jnp.any(~st.done), step, state)
+  with on_mesh(mesh):
+    return jax.lax.while_loop(lambda st: jnp.any(~st.done), step, state)

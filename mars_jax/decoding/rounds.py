@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from mars_jax.choices import Mode
 from mars_jax.decoding import batching, loop, timing
@@ -47,18 +48,20 @@ def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *
               eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
               before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
               stop_on_finish: bool = False, steps: int | None = None,
-              runtime: Runtime = DEFAULT_RUNTIME) -> tuple[DecodeState, int, Progress]:
+              runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None
+              ) -> tuple[DecodeState, int, Progress]:
   """One round: W for the state's batch, then `steps` steps (`policy.round_steps` by
   default; the first `wide_steps` of them `real_slots` wide when that exceeds W, to
   prefill new rows), and the acceptance seen reported to the policy.
-  before: the state's `progress` when the caller has it.
+  before: the state's `progress` when the caller has it; mesh: the one the params
+  and the state are placed on (None: one device).
   -> (new state, W, its progress)."""
   b, cache_len = state.seq.shape
   before = before or progress(state)
   window = policy.choose(b, cache_len, int(np.sum(~before.done)), measure)
   call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
                            mask_token_id=np.int32(mask_token_id), window=window, mode=mode,
-                           runtime=runtime)
+                           runtime=runtime, mesh=mesh)
   steps = steps or policy.round_steps
   if real_slots > window:
     state = call(state=state, max_steps=np.int32(wide_steps), stop_on_finish=np.bool_(False),
@@ -75,7 +78,8 @@ def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *
 
 def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
                          policy: Policy, *, mask_token_id: int, eos_token_ids, mode: Mode,
-                         runtime: Runtime = DEFAULT_RUNTIME) -> GenerateResult:
+                         runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None
+                         ) -> GenerateResult:
   """`sampling.generate` of the first `n` rows of `prompts` with the window chosen by
   `policy` before every round.
 
@@ -88,9 +92,10 @@ def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
   state = loop.prefill(config, params, prompts.prompt, prompts.prompt_len,
                        prompts.max_new_tokens, prompts.tau, prompts.metric, eos_ids,
                        np.int32(mask_token_id), window=prefill_window, mode=mode,
-                       cache_len=prompts.cache_len(max(policy.windows)), runtime=runtime)
+                       cache_len=prompts.cache_len(max(policy.windows)), runtime=runtime,
+                       mesh=mesh)
   measure = timing.measure_fn(config, params, mode=mode, mask_token_id=mask_token_id,
-                              runtime=runtime)
+                              runtime=runtime, mesh=mesh)
   used = {prefill_window: 1}
   now = progress(state)
   steps, last = policy.round_steps, None
@@ -98,7 +103,7 @@ def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
     steps0 = now.steps
     state, window, now = run_round(config, params, state, policy, eos_ids=eos_ids,
                                    mask_token_id=mask_token_id, mode=mode, measure=measure,
-                                   before=now, steps=steps, runtime=runtime)
+                                   before=now, steps=steps, runtime=runtime, mesh=mesh)
     used[window] = used.get(window, 0) + now.steps - steps0
     # While W stays what it was, each round runs twice as long as the one before (up to
     # MAX_ROUND_GROWTH x round_steps), so a steady choice pays fewer host round trips;

@@ -7,6 +7,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from mars_jax.choices import Mode
 from mars_jax.decoding import batching, loop
@@ -16,37 +17,41 @@ from mars_jax.window_policy import Measure
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
                  mode: Mode, mask_token_id: int, steps: int = 32, repeats: int = 5,
-                 runtime: Runtime = DEFAULT_RUNTIME) -> float:
+                 runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> float:
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode), best of `repeats` runs of `steps` steps after one that compiles.
 
   A step reads the cache up to its live length (`qwen2.cached_attention`), so the
   steps run around the middle of the bucket, as a decode that fills it does on
   average: `batch` rows whose `live` prompt tokens count as prefilled (cursor at the
-  last one; their K/V are left as zeros, which costs the same), tau 1."""
+  last one; their K/V are left as zeros, which costs the same), tau 1. mesh: the one
+  the params are placed on (None: one device)."""
   live = max(1, (cache_len - window - steps) // 2)
   prompt = np.ones((batch, live), np.int32)
   rows = np.ones((batch,), np.int32)
   best = float("inf")
   for _ in range(repeats + 1):
     state = loop.start(config, prompt, live * rows, (cache_len - window - live + 1) * rows,
-                       rows.astype(np.float32), 0 * rows, cache_len=cache_len, runtime=runtime)
+                       rows.astype(np.float32), 0 * rows, cache_len=cache_len, runtime=runtime,
+                       mesh=mesh)
     state = state.replace(cursor=state.length - 1)
     jax.block_until_ready(state)
     begin = time.perf_counter()
     state = loop.run_steps(config, params, state, batching.eos_array(()),
                            np.int32(mask_token_id), np.int32(steps), np.bool_(False),
-                           window=window, real_slots=window, mode=mode, runtime=runtime)
+                           window=window, real_slots=window, mode=mode, runtime=runtime,
+                           mesh=mesh)
     ran = int(state.steps)
     best = min(best, (time.perf_counter() - begin) / max(ran, 1))
   return best
 
 
 def measure_fn(config: Qwen2Config, params, *, mode: Mode, mask_token_id: int,
-               runtime: Runtime = DEFAULT_RUNTIME) -> Measure:
+               runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> Measure:
   """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
   it round-robin over the windows), for `WindowPolicy.choose`."""
   def measure(batch: int, cache_len: int, window: int) -> float:
     return step_seconds(config, params, batch=batch, cache_len=cache_len, window=window,
-                        mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime)
+                        mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime,
+                        mesh=mesh)
   return measure

@@ -2,13 +2,17 @@
 
   python -m mars_jax.train --config configs/qwen2_5_7b_ar_sft.py --workdir runs/7b_sft \
       --config.model.init=/models/Qwen2.5-7B-Instruct --config.data.source=/data/sft/*.jsonl
+
+Compiled and fitted by `python -m mars_jax.plan --config configs/qwen2_5_7b_ar_sft.py
+--topology v5p-16` (TPU) and `--topology h200-8` (GPU: the paper trained on 8 H200s);
+docs/performance.md has the per-chip memory, headroom and step times.
 """
 
 from mars_jax.train_config import paper_config
 
 
 def get_config():
-  c = paper_config(model_dir="models/Qwen2.5-7B-Instruct", kind="ar_sft", fsdp=-1,
-                   micro_batches=8, remat="full")
+  c = paper_config(model_dir="models/Qwen2.5-7B-Instruct", preset="qwen2.5-7b",
+                   kind="ar_sft", fsdp=-1, micro_batches=8, remat="full")
   c.mesh.data = 1
   return c

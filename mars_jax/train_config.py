@@ -147,15 +147,19 @@ def runtime(cfg) -> qwen2.Runtime:
                        scan_layers=m.scan_layers)
 
 
-def paper_config(*, model_dir: str, kind: Kind, fsdp: int, micro_batches: int,
-                 remat: str) -> ml_collections.ConfigDict:
+def paper_config(*, model_dir: str, preset: str, kind: Kind, fsdp: int, micro_batches: int,
+                 remat: str, tensor: int = 1) -> ml_collections.ConfigDict:
   """The paper's recipe on a real Qwen2.5-Instruct or Qwen3 checkpoint: 5 epochs, lr 5e-6, warmup
   0.03 then cosine, effective batch 384, length 512, B=4, ar_weight 1; bfloat16 compute
-  over float32 master weights. `model_dir` and `data.source` are local paths (override
-  them on the command line); stage 2 (`kind="mars"`) starts from the stage-1 run dir."""
+  over float32 master weights; attention "auto" (the splash kernel on TPU). `model_dir` and `data.source` are local paths (override
+  them on the command line); stage 2 (`kind="mars"`) starts from the stage-1 run dir.
+  `preset` names the architecture, for `mars_jax.plan` on a host without the model
+  (training reads model.init's own config). The mesh: `fsdp` x `tensor`, the rest data."""
   c = base_config()
   c.model.init = model_dir
+  c.model.preset = preset
   c.model.dtype = "bfloat16"
+  c.model.attention_impl = "auto"   # the splash kernel on TPU, xla on GPU and CPU
   c.model.remat = remat
   c.objective.kind = kind
   c.objective.block_size = 4
@@ -170,6 +174,7 @@ def paper_config(*, model_dir: str, kind: Kind, fsdp: int, micro_batches: int,
   c.data.num_epochs = 5
   c.mesh.data = -1
   c.mesh.fsdp = fsdp
+  c.mesh.tensor = tensor
   c.train.batch_size = 384
   c.train.micro_batches = micro_batches
   c.train.log_every = 10

@@ -27,7 +27,7 @@ def test_config_validates(path):
   assert cfg.objective.kind in ("mars", "ar_sft")
 
 
-PAPER = ("qwen2_5_0_5b", "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b")
+PAPER = ("qwen2_5_0_5b", "qwen2_5_7b", "qwen2_5_72b", "qwen3_0_6b", "qwen3_8b")
 
 
 @pytest.mark.parametrize("model", PAPER)
@@ -48,5 +48,6 @@ def test_qwen3_configs_mirror_the_qwen2_5_ones(qwen3, qwen2_5, stage):
   q3, q25 = (load(os.path.join(ROOT, "configs", f"{m}_{stage}.py")) for m in (qwen3, qwen2_5))
   assert q3.model.init != q25.model.init
   assert stage == "mars" or "Qwen3" in q3.model.init
-  q3.model.init = q25.model.init
+  assert q3.model.preset.startswith("qwen3-") and q25.model.preset.startswith("qwen2.5-")
+  q3.model.init, q3.model.preset = q25.model.init, q25.model.preset
   assert q3.to_dict() == q25.to_dict()

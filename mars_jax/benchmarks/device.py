@@ -45,7 +45,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import choices, objective, optimizer, sampling, sharding
+from mars_jax import choices, hardware, objective, optimizer, sampling, sharding
 from mars_jax.benchmarks import sample, step, toy
 from mars_jax.benchmarks.roofline import forward_bytes
 from mars_jax.choices import AttentionImpl, Remat
@@ -58,13 +58,9 @@ SECTIONS = ("train", "decode", "decode_7b")
 # own (each section's limit less 15 s of start-up). docs/performance.md, "Accelerator
 # check", has the whole budget.
 DEFAULT_LIMITS = {"train": 50.0, "decode": 80.0, "decode_7b": 50.0}
-# device_kind -> (dense bf16 TFLOP/s, HBM TB/s): vendor datasheets, SXM parts.
-DEVICE_PEAKS = {
-    "NVIDIA H200": (989.0, 4.8),
-    "NVIDIA H100 80GB HBM3": (989.0, 3.35),
-    "NVIDIA A100-SXM4-80GB": (312.0, 2.039),
-    "NVIDIA A100-SXM4-40GB": (312.0, 1.555),
-}
+# device_kind -> (dense bf16 TFLOP/s, HBM TB/s): the published figures of `hardware.CHIPS`.
+DEVICE_PEAKS = {c.device_kind: (c.bf16_flops / 1e12, c.hbm_bandwidth / 1e12)
+                for c in hardware.CHIPS.values()}
 # Decoding rows: (label, W, tau). On random weights tau 0 accepts every proposal and
 # tau 1 (probability gate) none: the bounds of what a trained model reaches.
 DECODE_ROWS = (("AR", 1, 1.0), ("MARS all accepted", 4, 0.0),

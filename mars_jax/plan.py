@@ -1,0 +1,382 @@
+"""`python -m mars_jax.plan --config configs/X.py --topology v5p-8 [--decode B,S,W]`.
+
+Compiles the config's train step and eval step for a TPU slice or GPU node on any
+host (no accelerator: compile-only devices, `mars_jax.hardware`), and reports per
+chip what the compiler allocates against the chip's memory:
+
+  args        params + optimizer state (+ the batch) as the mesh shards them
+  temps       everything the step allocates while it runs (activations, gradients)
+  total       args + temps + generated code (outputs alias the donated state)
+
+When the step does not fit, the micro-batch counts that divide the batch are
+compiled in turn (then remat "full"), and the first that fits is reported. The
+step's FLOPs come from the model (`benchmarks.step.train_flops`: dense attention,
+forward + backward; the compiler's cost analysis counts a loop body once), and
+give the step time at 100% and 50% MFU on the chip's bf16 peak.
+
+With `--decode BATCH,CACHE,W` it also compiles the decoding loop
+(`mars_jax.decoding.mesh.lower_decode`) on a mesh of its own (`--decode_mesh`,
+default tensor parallel over every chip) and reports its per-chip bytes and the
+HBM roofline: one forward reads at least the chip's weight shard and, with the
+cache full, its shard of the KV cache, so forwards/s <= bandwidth / those bytes; AR
+commits `BATCH` tokens per forward, a window W at most `BATCH * W`.
+
+The table goes to stdout and the same figures, as JSON, to `--out` (default
+plans/<config>_<topology>.json, or plans/<config>_<topology>_decode.json with
+`--notrain`, the decoding loop alone). A config's model is read from model.init's
+config.json when that directory exists here, else from model.preset (+ overrides).
+Errors (an unknown topology, a mesh that does not divide the chips, a missing
+compiler) print one line, `error: ...`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from mars_jax import hardware, masks, sharding, train_config
+from mars_jax import train_step as ts
+from mars_jax.benchmarks.step import train_flops
+from mars_jax.decoding import loop, mesh as decode_mesh
+from mars_jax.models import qwen2
+from mars_jax.optimizer import make_optimizer
+
+
+@dataclasses.dataclass
+class Compiled:
+  """What one compilation allocates per chip (bytes) and how long it took (seconds)."""
+  args: int
+  temps: int
+  code: int
+  seconds: float
+
+  @property
+  def total(self) -> int:
+    return self.args + self.temps + self.code
+
+
+def memory_of(lowered) -> Compiled:
+  """Compiles a `jax.stages.Lowered` -> its per-device memory and compile time."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - t0
+  m = compiled.memory_analysis()
+  return Compiled(args=int(m.argument_size_in_bytes), temps=int(m.temp_size_in_bytes),
+                  code=int(m.generated_code_size_in_bytes), seconds=seconds)
+
+
+def model_config(cfg):
+  """The architecture a config trains: model.init's config.json where it exists on this
+  host, else model.preset with model.overrides (a run directory or a model path of
+  another machine)."""
+  path = os.path.join(cfg.model.init, "config.json")
+  if cfg.model.init != "random" and os.path.isfile(path):
+    return qwen2.Qwen2Config.from_json_file(path)
+  return train_config.random_model_config(cfg)
+
+
+def _batch_spec(cfg, rows: int) -> dict[str, Any]:
+  shape = (rows, cfg.data.max_length)
+  batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+           "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_)}
+  if cfg.data.packing:
+    batch["segment_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32)
+    batch["positions"] = jax.ShapeDtypeStruct(shape, jnp.int32)
+  return batch
+
+
+def _stream_length(cfg) -> int:
+  """The target stream the step is compiled for: objective.stream_length, else the whole
+  row (the longest any data can need; the trainer derives a shorter one from the data)."""
+  return cfg.objective.stream_length or cfg.data.max_length
+
+
+def _train_parts(cfg, config, devices, remat: str):
+  """-> (model config, typed configs, mesh, optimizer, runtime) of the config's stage."""
+  runtime = train_config.runtime(cfg).replace(remat=remat)
+  typed = train_config.typed(cfg, total_steps=1000, mask_token_id=config.vocab_size - 1,
+                             stream_length=_stream_length(cfg))
+  mesh = sharding.make_mesh(typed.mesh, devices=devices)
+  return typed, mesh, make_optimizer(typed.optimizer), runtime
+
+
+def compile_train(cfg, config, devices, *, micro_batches: int, remat: str) -> Compiled:
+  """The config's train step with `micro_batches` and `remat`, compiled for `devices`."""
+  typed, mesh, tx, runtime = _train_parts(cfg, config, devices, remat)
+  step = ts.make_train_step(config, typed.objective, tx, mesh, micro_batches=micro_batches,
+                            runtime=runtime)
+  state = ts.abstract_train_state(config, tx, runtime=runtime)
+  return memory_of(step.lower(state, _batch_spec(cfg, cfg.train.batch_size)))
+
+
+def compile_eval(cfg, config, devices) -> Compiled:
+  """The config's eval step (no micro-batches: one global batch, as the trainer runs it)."""
+  typed, mesh, tx, runtime = _train_parts(cfg, config, devices, cfg.model.remat)
+  step = ts.make_eval_step(config, typed.objective, mesh, runtime=runtime)
+  params = ts.abstract_train_state(config, tx, runtime=runtime).params
+  return memory_of(step.lower(params, _batch_spec(cfg, cfg.train.batch_size)))
+
+
+def _micro_batch_choices(cfg, batch_shards: int) -> list[int]:
+  """Micro-batch counts above the config's that keep every micro-batch split evenly
+  over the batch's devices, ascending."""
+  rows = cfg.train.batch_size
+  return [m for m in range(cfg.train.micro_batches + 1, rows + 1)
+          if rows % (m * batch_shards) == 0]
+
+
+def fit_train(cfg, config, topology: hardware.Topology, devices, *, search: bool) -> dict:
+  """The config's train and eval steps as they are and, when the train step does not fit
+  the chip, the first of the larger micro-batch counts (then remat "full") that does,
+  found by compiling the train step."""
+  hbm = topology.chip.hbm_bytes
+  mb, remat = cfg.train.micro_batches, cfg.model.remat
+  mesh = sharding.MeshConfig(**cfg.mesh.to_dict()).shape(len(devices))
+  train = compile_train(cfg, config, devices, micro_batches=mb, remat=remat)
+  tried = [{"micro_batches": mb, "remat": remat, "total": train.total}]
+  fits = train.total <= hbm
+  suggestion = None
+  if not fits and search:
+    more = _micro_batch_choices(cfg, mesh[0] * mesh[1])
+    candidates = [(m, remat) for m in more]
+    if remat != "full":
+      candidates += [(m, "full") for m in [mb, *more]]
+    for m, r in candidates:
+      got = compile_train(cfg, config, devices, micro_batches=m, remat=r)
+      tried.append({"micro_batches": m, "remat": r, "total": got.total})
+      if got.total <= hbm:
+        suggestion = {"micro_batches": m, "remat": r, "train": got}
+        break
+  return {"train": train, "eval": compile_eval(cfg, config, devices),
+          "mesh": dict(zip(sharding.AXES, mesh)), "fits": fits, "suggestion": suggestion,
+          "tried": tried}
+
+
+def train_figures(cfg, config, topology: hardware.Topology) -> dict:
+  """FLOPs per step from the model and the step time at 100% / 50% MFU on `topology`."""
+  length = cfg.data.max_length
+  positions = length + (_stream_length(cfg) if cfg.objective.kind == "mars" else 0)
+  flops, _ = train_flops(config, cfg.train.batch_size, positions)
+  peak = topology.chip.bf16_flops * topology.chips
+  step_100 = flops / peak
+  return {"flops_per_step": flops, "positions_per_row": positions,
+          "step_s_mfu100": step_100, "step_s_mfu50": 2 * step_100,
+          "tokens_per_s_per_chip_mfu50": cfg.train.batch_size * length
+          / (2 * step_100) / topology.chips}
+
+
+def cache_bytes_per_chip(config, mesh, *, batch: int, cache_len: int, runtime) -> int:
+  """Bytes of one chip's shard of the KV cache (K and V) in the decode shardings."""
+  shapes = jax.eval_shape(lambda: loop.new_state(config, batch, cache_len, runtime=runtime))
+  where = decode_mesh.state_shardings(config, mesh, batch=batch, cache_len=cache_len,
+                                      runtime=runtime)
+  return sum(int(np.prod(where.cache[k].shard_shape(shapes.cache[k].shape)))
+             * shapes.cache[k].dtype.itemsize for k in ("k", "v"))
+
+
+def decode_plan(cfg, config, topology: hardware.Topology, devices, *, batch: int,
+                cache_len: int, window: int, mesh_spec: str) -> dict:
+  """Compiles the decoding loop for `batch` rows and `cache_len` slots at `window` (and
+  at 1, AR) on a mesh over `devices` -> per-chip bytes and the HBM-roofline rates: a
+  forward reads at least the chip's weight shard (its arguments) and, with the cache
+  full, its shard of the KV cache (made inside the loop, so among the temporaries)."""
+  runtime = train_config.runtime(cfg).replace(param_dtype=cfg.model.dtype, remat="none")
+  mesh = decode_mesh.mesh_from_flag(mesh_spec, devices)
+  cache = cache_bytes_per_chip(config, mesh, batch=batch, cache_len=cache_len,
+                               runtime=runtime)
+  out = {"batch": batch, "cache_len": cache_len, "window": window, "mesh": dict(mesh.shape),
+         "dtype": runtime.param_dtype, "cache_bytes": cache, "windows": {}}
+  for w in sorted({1, window}):
+    lowered = decode_mesh.lower_decode(config, mesh, batch=batch, prompt_len=cache_len // 2,
+                                       cache_len=cache_len, window=w, runtime=runtime)
+    got = memory_of(lowered)
+    forwards = topology.chip.hbm_bandwidth / (got.args + cache)
+    out["windows"][w] = {**dataclasses.asdict(got), "total": got.total,
+                         "forwards_per_s": forwards, "tokens_per_s_max": forwards * batch * w}
+  out["fits"] = out["windows"][window]["total"] <= topology.chip.hbm_bytes
+  return out
+
+
+def attention_check(topology: hardware.Topology, devices, *, length: int = 256) -> dict:
+  """Which attention implementations compile for the chip on a MARS two-stream mask
+  (B = 4, [2 * length] positions, bf16, one chip): {impl: "compiles" | the compiler's or
+  jax's first line of refusal}. TPU: splash and xla; GPU: cudnn and xla."""
+  where = jax.sharding.SingleDeviceSharding(devices[0])
+  qkv = jax.ShapeDtypeStruct((1, 2 * length, 8, 128), jnp.bfloat16, sharding=where)
+  mask = masks.two_stream_mask(length, 4)[None]
+  impls = ("splash", "xla") if topology.chip.platform == "tpu" else ("cudnn", "xla")
+  out = {}
+  for impl in impls:
+    fn = jax.jit(lambda q, k, v, impl=impl: qwen2.attention(q, k, v, mask, impl))
+    try:
+      fn.lower(qkv, qkv, qkv).compile()
+      out[impl] = "compiles"
+    except Exception as e:  # pylint: disable=broad-except  # reported, not raised
+      out[impl] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+  return out
+
+
+def _gib(n: float) -> str:
+  return f"{n / hardware.GIB:.2f}"
+
+
+def _row(name: str, c: dict, hbm: int) -> tuple[str, ...]:
+  return (name, _gib(c["args"]), _gib(c["temps"]), _gib(c["total"]), _gib(hbm - c["total"]),
+          "yes" if c["total"] <= hbm else "NO", f"{c['seconds']:.1f}")
+
+
+def format_table(report: dict) -> str:
+  """The report as the table the CLI prints."""
+  t = report["topology"]
+  hbm = t["hbm_bytes"]
+  train, decode = report.get("train"), report.get("decode")
+  lines = [f"{report['config']} on {t['name']} ({t['chips']} x {t['chip']}, "
+           f"{_gib(hbm)} GiB each)" + (f", mesh {train['mesh']}" if train else "")]
+  rows = [("step", "args GiB", "temps GiB", "total GiB", "headroom GiB", "fits",
+           "compile s")]
+  if train:
+    rows += [_row(name, train[name], hbm) for name in ("train", "eval")]
+    s = train["suggestion"]
+    if s:
+      rows.append(_row(f"train mb={s['micro_batches']} remat={s['remat']}", s["train"], hbm))
+  if decode:
+    rows += [_row(f"decode W={w} b={decode['batch']} S={decode['cache_len']}", c, hbm)
+             for w, c in decode["windows"].items()]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+  if train:
+    if not train["fits"] and not train["suggestion"]:
+      lines.append("does not fit; no micro-batch count or remat tried fits either")
+    f = report["flops"]
+    lines.append(f"model FLOPs/step {f['flops_per_step']:.3e}: step {f['step_s_mfu100']:.3f} s"
+                 f" at 100% MFU, {f['step_s_mfu50']:.3f} s at 50%; "
+                 f"{f['tokens_per_s_per_chip_mfu50']:.0f} tokens/s/chip at 50%")
+  lines.append("attention on the two-stream mask: " + "; ".join(
+      f"{impl}: {status}" for impl, status in report["attention"].items()))
+  if decode:
+    for w, c in decode["windows"].items():
+      lines.append(f"decode W={w} on mesh {decode['mesh']}: HBM roofline "
+                   f"{c['forwards_per_s']:.1f} forwards/s, <= {c['tokens_per_s_max']:.0f} "
+                   f"tokens/s ({decode['batch']} rows x {w} tokens per forward at most)")
+  return "\n".join(lines)
+
+
+def plan(cfg, config_name: str, topology_name: str, *, decode: tuple[int, int, int] | None
+         = None, decode_mesh_spec: str = "tensor=-1", search: bool = True,
+         train: bool = True) -> dict:
+  """Everything the CLI reports, as a JSON-able dict (train=False: the decoding loop only)."""
+  topology = hardware.parse_topology(topology_name)
+  devices = hardware.compile_devices(topology)
+  if train:   # the meshes are checked before anything is compiled
+    sharding.MeshConfig(**cfg.mesh.to_dict()).shape(len(devices))
+  if decode:
+    decode_mesh.mesh_from_flag(decode_mesh_spec, devices)
+  config = model_config(cfg)
+  report = {
+      "config": config_name,
+      "topology": {"name": topology.name, "jax": topology.jax_topology,
+                   "chip": topology.chip.name, "chips": topology.chips,
+                   "hbm_bytes": topology.chip.hbm_bytes,
+                   "device_kind": devices[0].device_kind},
+      "model": {"params": _num_params(config), "layers": config.num_hidden_layers,
+                "hidden": config.hidden_size},
+      "runtime": {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype,
+                  "attention_impl": cfg.model.attention_impl, "remat": cfg.model.remat},
+  }
+  report["attention"] = attention_check(topology, devices)
+  if train:
+    report["batch"] = {"global": cfg.train.batch_size, "micro_batches": cfg.train.micro_batches,
+                       "length": cfg.data.max_length, "stream_length": _stream_length(cfg),
+                       "kind": cfg.objective.kind}
+    report["train"] = _plain(fit_train(cfg, config, topology, devices, search=search))
+    report["flops"] = train_figures(cfg, config, topology)
+  if decode:
+    b, s, w = decode
+    report["decode"] = decode_plan(cfg, config, topology, devices, batch=b, cache_len=s,
+                                   window=w, mesh_spec=decode_mesh_spec)
+  return report
+
+
+def _num_params(config) -> int:
+  return qwen2.num_params(qwen2.abstract_params(config))
+
+
+def _plain(x):
+  """Compiled records -> dicts (for JSON)."""
+  if isinstance(x, Compiled):
+    return {**dataclasses.asdict(x), "total": x.total}
+  if isinstance(x, dict):
+    return {k: _plain(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_plain(v) for v in x]
+  return x
+
+
+def _decode_arg(text: str) -> tuple[int, int, int]:
+  try:
+    b, s, w = (int(v) for v in text.split(","))
+  except ValueError:
+    raise ValueError(f"--decode={text!r}; expected BATCH,CACHE,W, e.g. 1,1024,5.") from None
+  if min(b, s, w) < 1:
+    raise ValueError(f"--decode={text!r}; every number must be >= 1.")
+  return b, s, w
+
+
+def main(argv=None) -> None:
+
+  config_flag = config_flags.DEFINE_config_file("config", None, "experiment config file",
+                                                lock_config=True)
+  topology_flag = flags.DEFINE_string(
+      "topology", None, "TPU slice (v5p-8, v5e-16, v6e-8, v5p:2x2x1) or GPU node (h100-8, "
+      "h200-8, a100-80-8, b200-8)")
+  decode_flag = flags.DEFINE_string("decode", None, "also the decoding loop: BATCH,CACHE,W")
+  decode_mesh_flag = flags.DEFINE_string("decode_mesh", "tensor=-1",
+                                         "mesh of the decoding loop, e.g. data=2,tensor=4")
+  out_flag = flags.DEFINE_string("out", None, "JSON path (default plans/<config>_<topology>"
+                                 ".json; with --notrain, ..._decode.json)")
+  search_flag = flags.DEFINE_bool("search", True, "when the step does not fit, compile "
+                                  "more micro-batches / remat full until one fits")
+  train_flag = flags.DEFINE_bool("train", True, "the train and eval steps (--notrain: "
+                                 "the decoding loop only)")
+  flags.mark_flags_as_required(["config", "topology"])
+
+  def run(args):
+    if len(args) > 1:
+      raise app.UsageError(f"unexpected arguments {args[1:]}")
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+    name = os.path.splitext(os.path.basename(
+        config_flags.get_config_filename(flags.FLAGS["config"])))[0]
+    try:
+      report = plan(config_flag.value, name, topology_flag.value,
+                    decode=_decode_arg(decode_flag.value) if decode_flag.value else None,
+                    decode_mesh_spec=decode_mesh_flag.value, search=search_flag.value,
+                    train=train_flag.value)
+    except (ValueError, FileNotFoundError) as e:
+      if os.environ.get("MARS_JAX_TRACEBACK"):
+        raise
+      print("error: " + " ".join(line.strip() for line in str(e).splitlines()),
+            file=sys.stderr)
+      sys.exit(2)
+    print(format_table(report))
+    suffix = "" if train_flag.value else "_decode"
+    out = out_flag.value or os.path.join("plans", f"{name}_{topology_flag.value}{suffix}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(report, f, indent=1)
+    print(f"wrote {out}")
+
+  app.run(run, argv=argv)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,205 @@
+"""`mars_jax.plan` and `mars_jax.hardware`: a tiny model's MARS and AR-SFT steps compiled by
+the real TPU (v5p:2x2x1, libtpu) and GPU (an 8 x H100 node, the jax CUDA pjrt plugin)
+compilers on this CPU host, the plan's figures checked against the compiled memory,
+and the one-line errors of the CLI.
+
+The compilers are test dependencies (requirements-test.txt); a test skips when its
+compiler is not installed.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from mars_jax import hardware, plan, sharding, train_config, train_step
+from mars_jax.optimizer import make_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4)
+
+
+def needs(topology_name):
+  missing = hardware.missing_compiler(hardware.parse_topology(topology_name))
+  if missing:
+    pytest.skip(missing)
+
+
+def tiny_cfg(kind="mars", **mesh):
+  """The embedded default's config shrunk to a model that compiles in seconds."""
+  c = train_config.base_config()
+  c.model.overrides.update(TINY)
+  c.model.dtype = "bfloat16"
+  c.model.remat = "full"
+  c.objective.kind = kind
+  c.objective.stream_length = 16
+  c.data.max_length = 32
+  c.train.batch_size = 16
+  c.train.micro_batches = 2
+  c.mesh.update({"data": 1, "fsdp": 1, "tensor": 1, **mesh})
+  return c
+
+
+def sharded_bytes(tree, shardings):
+  """Bytes of one device's shard of every leaf of `tree` placed with `shardings`."""
+  leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+  return sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize for x, s in leaves)
+
+
+def state_and_batch_bytes(cfg, devices):
+  """Per-device bytes of the train step's arguments, counted from the shardings alone."""
+  config = plan.model_config(cfg)
+  runtime = train_config.runtime(cfg)
+  typed = train_config.typed(cfg, total_steps=1000, mask_token_id=127)
+  mesh = sharding.make_mesh(typed.mesh, devices=devices)
+  tx = make_optimizer(typed.optimizer)
+  state = train_step.abstract_train_state(config, tx, runtime=runtime)
+  shardings = train_step.train_state_shardings(config, tx, mesh, runtime=runtime)
+  batch = plan._batch_spec(cfg, cfg.train.batch_size)
+  batch_sharding = sharding.batch_sharding(mesh)
+  return (sharded_bytes(state, shardings)
+          + sharded_bytes(batch, jax.tree.map(lambda _: batch_sharding, batch)))
+
+
+@pytest.mark.parametrize("name,chips,jax_name", [
+    ("v5p-8", 4, "v5p:2x2x1"), ("v5p-16", 8, "v5p:2x2x2"), ("v5p-64", 32, "v5p:2x4x4"),
+    ("v5p-256", 128, "v5p:4x4x8"), ("v5e-16", 16, "v5e:4x4"), ("v6e-8", 8, "v6e:2x4"),
+    ("v5p:2x2x1", 4, "v5p:2x2x1"), ("h100-8", 8, "1x1x8"), ("h200-16", 16, "2x1x8"),
+    ("a100-80-4", 4, "1x1x4"), ("b200-8", 8, "1x1x8")])
+def test_topology_names(name, chips, jax_name):
+  t = hardware.parse_topology(name)
+  assert (t.chips, t.jax_topology) == (chips, jax_name)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("v4-8", "unknown topology 'v4-8'; known: TPU: v5e-N"),
+    ("v5p-6", "power-of-two"), ("v5p-4", "smallest slice of this generation has 4 chips"),
+    ("h100-12", r"a multiple of 8 \(whole nodes\)")])
+def test_bad_topologies_say_what_is_known(name, message):
+  with pytest.raises(ValueError, match=message):
+    hardware.parse_topology(name)
+
+
+def test_a_missing_compiler_is_one_install_line(monkeypatch):
+  monkeypatch.setattr(hardware.importlib.util, "find_spec", lambda name: None)
+  assert hardware.missing_compiler(hardware.parse_topology("v5p-8")) == (
+      f"compiling for v5p-8 needs libtpu (no TPU needed): pip install 'jax[tpu]=="
+      f"{jax.__version__}'")
+  with pytest.raises(ValueError, match="pip install jax-cuda12-pjrt=="):
+    hardware.compile_devices(hardware.parse_topology("h100-8"))
+
+
+@pytest.mark.parametrize("topology,mesh", [("v5p-8", dict(fsdp=4)), ("h100-8", dict(fsdp=8))])
+def test_plan_compiles_mars_and_its_args_are_the_state_shards(topology, mesh, tmp_path):
+  """The plan of a MARS step: compiled for the chip, its per-chip arguments equal (GPU)
+  or, with the TPU's tiled layouts, at least (TPU) the state's and batch's shards as
+  the shardings count them, and its figures consistent with the chip."""
+  needs(topology)
+  cfg = tiny_cfg("mars", **mesh)
+  # conftest's "highest" matmul precision makes Mosaic refuse splash's bf16 dots ("Bad lhs
+  # type"); the CLI runs at jax's default, as this does
+  with jax.default_matmul_precision("default"):
+    report = plan.plan(cfg, "tiny", topology)
+  t = hardware.parse_topology(topology)
+  train = report["train"]["train"]
+  counted = state_and_batch_bytes(cfg, hardware.compile_devices(t))
+  if t.chip.platform == "cuda":
+    assert train["args"] == counted
+  else:
+    assert counted <= train["args"]   # the TPU pads small minor dimensions to its tiles
+  assert train["total"] == train["args"] + train["temps"] + train["code"]
+  assert report["train"]["fits"] and report["train"]["suggestion"] is None
+  assert report["train"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
+  f = report["flops"]
+  assert f["positions_per_row"] == 32 + 16
+  assert f["step_s_mfu50"] == pytest.approx(2 * f["flops_per_step"]
+                                            / (t.chips * t.chip.bf16_flops))
+  assert report["attention"]["xla"] == "compiles"
+  if t.chip.platform == "tpu":
+    assert report["attention"]["splash"] == "compiles"
+  json.dumps(report)  # the CLI writes it as it is
+
+
+@pytest.mark.parametrize("topology,mesh", [("v5p-8", dict(tensor=4)),
+                                           ("h100-8", dict(data=2, tensor=4))])
+def test_ar_sft_compiles_tensor_parallel(topology, mesh):
+  needs(topology)
+  cfg = tiny_cfg("ar_sft", **mesh)
+  devices = hardware.compile_devices(hardware.parse_topology(topology))
+  got = plan.compile_train(cfg, plan.model_config(cfg), devices, micro_batches=2,
+                           remat="full")
+  counted = state_and_batch_bytes(cfg, devices)
+  assert got.args == counted if topology.startswith("h100") else got.args >= counted
+
+
+def test_a_step_that_does_not_fit_gets_the_micro_batches_that_do():
+  """On a chip one byte smaller than the step needs at 2 micro-batches, the search
+  compiles the next count that splits the batch (4) and reports it, with what it tried."""
+  needs("v5p-8")
+  cfg = tiny_cfg("mars", fsdp=4)
+  cfg.train.batch_size = 64
+  t = hardware.parse_topology("v5p-8")
+  config, devices = plan.model_config(cfg), hardware.compile_devices(t)
+  need = plan.compile_train(cfg, config, devices, micro_batches=2, remat="full").total
+  small = hardware.Topology("v5p-8", dataclasses.replace(t.chip, hbm_bytes=need - 1),
+                            4, t.jax_topology)
+  got = plan.fit_train(cfg, config, small, devices, search=True)
+  assert not got["fits"] and got["train"].total == need
+  assert got["suggestion"]["micro_batches"] == 4
+  assert got["suggestion"]["train"].total < need
+  assert [(r["micro_batches"], r["remat"]) for r in got["tried"]] == [(2, "full"),
+                                                                      (4, "full")]
+
+
+@pytest.mark.parametrize("topology", ["v5p-8", "h100-8"])
+def test_decode_plan_one_chip_and_tensor_parallel(topology):
+  """The decoding loop compiled on one chip (AR) and tensor-parallel over four (AR and
+  W = 3): the weights and the KV cache (4 kv heads) split four ways, so each chip's
+  arguments are a quarter of one chip's and more; the roofline reads them once a forward."""
+  needs(topology)
+  cfg = tiny_cfg()
+  t = hardware.parse_topology(topology)
+  config, devices = plan.model_config(cfg), hardware.compile_devices(t)
+  one = plan.decode_plan(cfg, config, t, devices[:1], batch=2, cache_len=64, window=1,
+                         mesh_spec="tensor=1")
+  four = plan.decode_plan(cfg, config, t, devices[:4], batch=2, cache_len=64, window=3,
+                          mesh_spec="tensor=4")
+  assert sorted(four["windows"]) == [1, 3] and sorted(one["windows"]) == [1]
+  assert four["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4}
+  ar_one, ar_four, w3 = one["windows"][1], four["windows"][1], four["windows"][3]
+  assert ar_one["args"] / 4 <= ar_four["args"] < ar_one["args"] / 2
+  # the cache [layers 2, b 2, kv heads 4, S 64, d 8] in bf16, K and V: split 4 ways
+  assert one["cache_bytes"] == 4 * four["cache_bytes"] == 2 * 2 * 2 * 4 * 64 * 8 * 2
+  for d, c in ((one, ar_one), (four, ar_four)):
+    assert c["forwards_per_s"] == pytest.approx(t.chip.hbm_bandwidth
+                                                / (c["args"] + d["cache_bytes"]))
+    assert c["tokens_per_s_max"] == pytest.approx(2 * c["forwards_per_s"])
+  assert w3["tokens_per_s_max"] == pytest.approx(6 * w3["forwards_per_s"])
+
+
+def test_a_mesh_that_does_not_divide_the_chips_is_refused_before_compiling():
+  needs("v5p-8")
+  with pytest.raises(ValueError, match="needs 3 devices, but 4 are available"):
+    plan.plan(tiny_cfg(fsdp=3), "tiny", "v5p-8")
+  with pytest.raises(ValueError, match=r"Pick sizes whose product divides the 4 device\(s\)"):
+    plan.plan(tiny_cfg(), "tiny", "v5p-8", train=False, decode=(2, 64, 3),
+              decode_mesh_spec="tensor=3")
+
+
+def run_cli(*args):
+  return subprocess.run([sys.executable, "-m", "mars_jax.plan", *args], cwd=ROOT,
+                        capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
+
+
+def test_cli_errors_are_one_line():
+  r = run_cli("--config", "configs/tiny.py", "--topology", "v4-8")
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1].startswith("error: unknown topology 'v4-8'")
+  assert "Traceback" not in r.stderr

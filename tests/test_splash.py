@@ -11,30 +11,13 @@ import pytest
 from mars_jax import masks, objective, optimizer, sharding, train_step
 from mars_jax.models import qwen2, splash
 
+from test_objective import MASK, random_params, tiny_config
+
 TOL = 1e-5
-VOCAB = 64
-MASK = VOCAB - 1
-XLA = qwen2.Runtime(attention_impl="xla")
-SPLASH = qwen2.Runtime(attention_impl="splash")
-AUTO = qwen2.Runtime(attention_impl="auto")
-
-
-def tiny_config():
-  return qwen2.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           rope_theta=10000.0, tie_word_embeddings=True)
-
-
-def random_params(config, seed=0):
-  """Weights large enough that every attention edge moves the loss well above 1e-5."""
-  rng = np.random.default_rng(seed)
-  def draw(path, x):
-    name = path[-1].key
-    if name == "scale":
-      return jnp.asarray(1.0 + 0.1 * rng.standard_normal(x.shape), jnp.float32)
-    return jnp.asarray((0.1 if name.endswith("bias") else 0.25)
-                       * rng.standard_normal(x.shape), jnp.float32)
-  return jax.tree_util.tree_map_with_path(draw, qwen2.abstract_params(config))
+# Unrolled layers, as test_objective's params: they compile faster on CPU.
+XLA = qwen2.Runtime(attention_impl="xla", scan_layers=False)
+SPLASH = qwen2.Runtime(attention_impl="splash", scan_layers=False)
+AUTO = qwen2.Runtime(attention_impl="auto", scan_layers=False)
 
 
 def packed_batch(block_size):

@@ -39,7 +39,7 @@ class _Captured:
 
   def __init__(self, monkeypatch):
     self.problems = None
-    monkeypatch.setattr(evaluate, "load_model", lambda path: path)
+    monkeypatch.setattr(evaluate, "load_model", lambda path, mesh=None: path)
 
     def sweep(model, problems, **kw):
       self.problems = list(problems)

@@ -37,14 +37,14 @@ class Chip:
 
   hbm_bytes: device memory; hbm_bandwidth: bytes/s; bf16_flops: dense bfloat16
   matmul peak, FLOP/s. GPU-only fields feed the XLA target config: sm_count,
-  compute_capability (major, minor), l2_bytes, clock_ghz, smem_per_sm (bytes).
+  compute_capability (major, minor), l2_bytes, clock_ghz, smem_per_sm (bytes). A TPU's
+  name is its generation as jax's topology names spell it ("v5p").
   """
   name: str
   platform: str           # "tpu" | "cuda"
   hbm_bytes: int
   hbm_bandwidth: float
   bf16_flops: float
-  jax_name: str = ""      # TPU: the generation in jax's topology names ("v5p")
   cores_per_chip: int = 1  # TPU: TensorCores a Cloud accelerator type counts per chip
   device_kind: str = ""   # what `jax.Device.device_kind` reports for it
   sm_count: int = 0
@@ -54,20 +54,21 @@ class Chip:
   smem_per_sm: int = 0
 
 
-# Published figures: Cloud TPU system architecture pages (v5e, v5p, v6e) and NVIDIA's
-# datasheets (A100 80GB SXM, H100 SXM, H200 SXM, HGX B200).
+# Published figures: Cloud TPU system architecture pages (v5e, v5p, v6e: memory in GiB)
+# and NVIDIA's datasheets (A100 SXM, H100 SXM, H200 SXM, HGX B200), whose memory is read
+# as decimal GB (H200: 141e9 bytes, 131.3 GiB), the smaller reading.
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip("v5e", "tpu", 16 * GIB, 819e9, 197e12, jax_name="v5e", device_kind="TPU v5 lite"),
-    Chip("v5p", "tpu", 95 * GIB, 2765e9, 459e12, jax_name="v5p", cores_per_chip=2,
+    Chip("v5e", "tpu", 16 * GIB, 819e9, 197e12, device_kind="TPU v5 lite"),
+    Chip("v5p", "tpu", 95 * GIB, 2765e9, 459e12, cores_per_chip=2,
          device_kind="TPU v5"),
-    Chip("v6e", "tpu", 32 * GIB, 1640e9, 918e12, jax_name="v6e", device_kind="TPU v6 lite"),
-    Chip("a100-40", "cuda", 40 * GIB, 1555e9, 312e12, device_kind="NVIDIA A100-SXM4-40GB",
+    Chip("v6e", "tpu", 32 * GIB, 1640e9, 918e12, device_kind="TPU v6 lite"),
+    Chip("a100-40", "cuda", 40 * 10**9, 1555e9, 312e12, device_kind="NVIDIA A100-SXM4-40GB",
          sm_count=108, compute_capability=(8, 0), l2_bytes=40 << 20, clock_ghz=1.41,
          smem_per_sm=164 << 10),
-    Chip("a100-80", "cuda", 80 * GIB, 2039e9, 312e12, device_kind="NVIDIA A100-SXM4-80GB",
+    Chip("a100-80", "cuda", 80 * 10**9, 2039e9, 312e12, device_kind="NVIDIA A100-SXM4-80GB",
          sm_count=108, compute_capability=(8, 0), l2_bytes=40 << 20, clock_ghz=1.41,
          smem_per_sm=164 << 10),
-    Chip("h100", "cuda", 80 * GIB, 3350e9, 989e12, device_kind="NVIDIA H100 80GB HBM3",
+    Chip("h100", "cuda", 80 * 10**9, 3350e9, 989e12, device_kind="NVIDIA H100 80GB HBM3",
          sm_count=132, compute_capability=(9, 0), l2_bytes=50 << 20, clock_ghz=1.98,
          smem_per_sm=228 << 10),
     Chip("h200", "cuda", 141 * 10**9, 4800e9, 989e12, device_kind="NVIDIA H200",
@@ -135,7 +136,7 @@ def parse_topology(name: str) -> Topology:
   except ValueError as e:
     raise ValueError(f"topology {name!r}: {e}") from None
   chips = count // chip.cores_per_chip
-  return Topology(name, chip, chips, f"{chip.jax_name}:{shape}")
+  return Topology(name, chip, chips, f"{chip.name}:{shape}")
 
 
 def gpu_target_config(chip: Chip) -> str:
@@ -167,20 +168,16 @@ device_description_str: "{chip.device_kind}"
 """
 
 
-def _jax_pin() -> str:
-  return jax.__version__
-
-
 def missing_compiler(topology: Topology) -> str | None:
   """None when this host can compile for `topology`, else what to install (one line)."""
   if topology.chip.platform == "tpu":
     if importlib.util.find_spec("libtpu") is None:
       return (f"compiling for {topology.name} needs libtpu (no TPU needed): "
-              f"pip install 'jax[tpu]=={_jax_pin()}'")
+              f"pip install 'jax[tpu]=={jax.__version__}'")
     return None
   if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
     return (f"compiling for {topology.name} needs the jax CUDA plugin (no GPU needed): "
-            f"pip install jax-cuda12-pjrt=={_jax_pin()} jax-cuda12-plugin=={_jax_pin()}")
+            f"pip install jax-cuda12-pjrt=={jax.__version__} jax-cuda12-plugin=={jax.__version__}")
   return None
 
 

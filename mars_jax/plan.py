@@ -6,7 +6,8 @@ chip what the compiler allocates against the chip's memory:
 
   args        params + optimizer state (+ the batch) as the mesh shards them
   temps       everything the step allocates while it runs (activations, gradients)
-  total       args + temps + generated code (outputs alias the donated state)
+  total       args + temps + generated code + the outputs that do not reuse a donated
+              argument (the train step's new state reuses the old one's buffers)
 
 When the step does not fit, the micro-batch counts that divide the batch are
 compiled in turn (then remat "full"), and the first that fits is reported. The
@@ -54,15 +55,18 @@ from mars_jax.optimizer import make_optimizer
 
 @dataclasses.dataclass
 class Compiled:
-  """What one compilation allocates per chip (bytes) and how long it took (seconds)."""
+  """What one compilation allocates per chip (bytes) and how long it took (seconds):
+  args, temps, generated code, and outputs that do not reuse a donated argument's
+  buffer (the train step's new state does; the decoding loop's final state does not)."""
   args: int
   temps: int
   code: int
+  outputs: int
   seconds: float
 
   @property
   def total(self) -> int:
-    return self.args + self.temps + self.code
+    return self.args + self.temps + self.code + self.outputs
 
 
 def memory_of(lowered) -> Compiled:
@@ -72,7 +76,9 @@ def memory_of(lowered) -> Compiled:
   seconds = time.perf_counter() - t0
   m = compiled.memory_analysis()
   return Compiled(args=int(m.argument_size_in_bytes), temps=int(m.temp_size_in_bytes),
-                  code=int(m.generated_code_size_in_bytes), seconds=seconds)
+                  code=int(m.generated_code_size_in_bytes),
+                  outputs=int(m.output_size_in_bytes - m.alias_size_in_bytes),
+                  seconds=seconds)
 
 
 def model_config(cfg):

@@ -113,7 +113,8 @@ def test_plan_compiles_mars_and_its_args_are_the_state_shards(topology, mesh, tm
     assert train["args"] == counted
   else:
     assert counted <= train["args"]   # the TPU pads small minor dimensions to its tiles
-  assert train["total"] == train["args"] + train["temps"] + train["code"]
+  assert train["total"] == train["args"] + train["temps"] + train["code"] + train["outputs"]
+  assert 0 <= train["outputs"] < 4096   # the new state reuses the donated one: metrics only
   assert report["train"]["fits"] and report["train"]["suggestion"] is None
   assert report["train"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
   f = report["flops"]
@@ -177,6 +178,7 @@ def test_decode_plan_one_chip_and_tensor_parallel(topology):
   # the cache [layers 2, b 2, kv heads 4, S 64, d 8] in bf16, K and V: split 4 ways
   assert one["cache_bytes"] == 4 * four["cache_bytes"] == 2 * 2 * 2 * 4 * 64 * 8 * 2
   for d, c in ((one, ar_one), (four, ar_four)):
+    assert c["outputs"] >= d["cache_bytes"]   # the final state returns the chip's cache
     assert c["forwards_per_s"] == pytest.approx(t.chip.hbm_bandwidth
                                                 / (c["args"] + d["cache_bytes"]))
     assert c["tokens_per_s_max"] == pytest.approx(2 * c["forwards_per_s"])

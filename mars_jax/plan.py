@@ -9,8 +9,9 @@ chip what the compiler allocates against the chip's memory:
   total       args + temps + generated code + the outputs that do not reuse a donated
               argument (the train step's new state reuses the old one's buffers)
 
-When the step does not fit, the micro-batch counts that divide the batch are
-compiled in turn (then remat "full"), and the first that fits is reported. The
+When the step does not fit, the micro-batch count is doubled while the batch still
+splits evenly, compiling each (then the same with remat "full"), and the first that
+fits is reported. The
 step's FLOPs come from the model (`benchmarks.step.train_flops`: dense attention,
 forward + backward; the compiler's cost analysis counts a loop body once), and
 give the step time at 100% and 50% MFU on the chip's bf16 peak.
@@ -108,7 +109,7 @@ def _stream_length(cfg) -> int:
 
 
 def _train_parts(cfg, config, devices, remat: str):
-  """-> (model config, typed configs, mesh, optimizer, runtime) of the config's stage."""
+  """-> (typed configs, mesh, optimizer, runtime with `remat`) of the config's stage."""
   runtime = train_config.runtime(cfg).replace(remat=remat)
   typed = train_config.typed(cfg, total_steps=1000, mask_token_id=config.vocab_size - 1,
                              stream_length=_stream_length(cfg))
@@ -134,17 +135,20 @@ def compile_eval(cfg, config, devices) -> Compiled:
 
 
 def _micro_batch_choices(cfg, batch_shards: int) -> list[int]:
-  """Micro-batch counts above the config's that keep every micro-batch split evenly
-  over the batch's devices, ascending."""
-  rows = cfg.train.batch_size
-  return [m for m in range(cfg.train.micro_batches + 1, rows + 1)
-          if rows % (m * batch_shards) == 0]
+  """The config's micro-batch count doubled, again and again, while every micro-batch
+  still splits evenly over the batch's devices: 8 -> [16, 32, ...]."""
+  rows, out = cfg.train.batch_size, []
+  m = 2 * cfg.train.micro_batches
+  while rows % (m * batch_shards) == 0:
+    out.append(m)
+    m *= 2
+  return out
 
 
 def fit_train(cfg, config, topology: hardware.Topology, devices, *, search: bool) -> dict:
   """The config's train and eval steps as they are and, when the train step does not fit
-  the chip, the first of the larger micro-batch counts (then remat "full") that does,
-  found by compiling the train step."""
+  the chip, the first of `_micro_batch_choices` (then the same with remat "full") that
+  does, found by compiling the train step."""
   hbm = topology.chip.hbm_bytes
   mb, remat = cfg.train.micro_batches, cfg.model.remat
   mesh = sharding.MeshConfig(**cfg.mesh.to_dict()).shape(len(devices))

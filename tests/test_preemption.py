@@ -28,7 +28,9 @@ def wait_for_logged_step(run_dir, procs):
     if os.path.isfile(path) and os.path.getsize(path):
       return
     time.sleep(0.02)
-  raise AssertionError("the run ended or logged no step before the SIGTERM")
+  ended = [p.poll() for p in procs if p.poll() is not None]
+  raise AssertionError(f"the run ended (status {ended}) before logging a step" if ended
+                       else "the run logged no step in 300 s")
 
 
 def assert_saved_at(run_dir, nproc):

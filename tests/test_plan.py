@@ -114,7 +114,8 @@ def test_plan_compiles_mars_and_its_args_are_the_state_shards(topology, mesh, tm
   else:
     assert counted <= train["args"]   # the TPU pads small minor dimensions to its tiles
   assert train["total"] == train["args"] + train["temps"] + train["code"] + train["outputs"]
-  assert 0 <= train["outputs"] < 4096   # the new state reuses the donated one: metrics only
+  # the new state reuses the donated one: the metrics alone (the TPU pads each scalar)
+  assert 0 <= train["outputs"] < 64 << 10
   assert report["train"]["fits"] and report["train"]["suggestion"] is None
   assert report["train"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
   f = report["flops"]

@@ -57,23 +57,23 @@ class Chip:
 # Published figures: Cloud TPU system architecture pages (v5e, v5p, v6e: memory in GiB)
 # and NVIDIA's datasheets (A100 SXM, H100 SXM, H200 SXM, HGX B200), whose memory is read
 # as decimal GB (H200: 141e9 bytes, 131.3 GiB), the smaller reading.
+_A100 = Chip("a100-80", "cuda", 80 * 10**9, 2039e9, 312e12, device_kind="NVIDIA A100-SXM4-80GB",
+             sm_count=108, compute_capability=(8, 0), l2_bytes=40 << 20, clock_ghz=1.41,
+             smem_per_sm=164 << 10)
+_H100 = Chip("h100", "cuda", 80 * 10**9, 3350e9, 989e12, device_kind="NVIDIA H100 80GB HBM3",
+             sm_count=132, compute_capability=(9, 0), l2_bytes=50 << 20, clock_ghz=1.98,
+             smem_per_sm=228 << 10)
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("v5e", "tpu", 16 * GIB, 819e9, 197e12, device_kind="TPU v5 lite"),
     Chip("v5p", "tpu", 95 * GIB, 2765e9, 459e12, cores_per_chip=2,
          device_kind="TPU v5"),
     Chip("v6e", "tpu", 32 * GIB, 1640e9, 918e12, device_kind="TPU v6 lite"),
-    Chip("a100-40", "cuda", 40 * 10**9, 1555e9, 312e12, device_kind="NVIDIA A100-SXM4-40GB",
-         sm_count=108, compute_capability=(8, 0), l2_bytes=40 << 20, clock_ghz=1.41,
-         smem_per_sm=164 << 10),
-    Chip("a100-80", "cuda", 80 * 10**9, 2039e9, 312e12, device_kind="NVIDIA A100-SXM4-80GB",
-         sm_count=108, compute_capability=(8, 0), l2_bytes=40 << 20, clock_ghz=1.41,
-         smem_per_sm=164 << 10),
-    Chip("h100", "cuda", 80 * 10**9, 3350e9, 989e12, device_kind="NVIDIA H100 80GB HBM3",
-         sm_count=132, compute_capability=(9, 0), l2_bytes=50 << 20, clock_ghz=1.98,
-         smem_per_sm=228 << 10),
-    Chip("h200", "cuda", 141 * 10**9, 4800e9, 989e12, device_kind="NVIDIA H200",
-         sm_count=132, compute_capability=(9, 0), l2_bytes=50 << 20, clock_ghz=1.98,
-         smem_per_sm=228 << 10),
+    dataclasses.replace(_A100, name="a100-40", hbm_bytes=40 * 10**9, hbm_bandwidth=1555e9,
+                        device_kind="NVIDIA A100-SXM4-40GB"),
+    _A100,
+    _H100,
+    dataclasses.replace(_H100, name="h200", hbm_bytes=141 * 10**9, hbm_bandwidth=4800e9,
+                        device_kind="NVIDIA H200"),
     Chip("b200", "cuda", 180 * 10**9, 8000e9, 2250e12, device_kind="NVIDIA B200",
          sm_count=148, compute_capability=(10, 0), l2_bytes=126 << 20, clock_ghz=1.965,
          smem_per_sm=228 << 10),

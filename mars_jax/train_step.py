@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from mars_jax import objective as objective_lib
 from mars_jax import sharding

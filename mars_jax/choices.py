@@ -2,7 +2,7 @@
 
   Mode           sampler: "gated" (MASK proposals committed while their gate holds)
                  or "lossless" (drafts verified by the next forward)
-  Metric         gate statistic: "probability", "margin", "entropy" (`mars_jax.gates`)
+  Metric         gate statistic: "probability", "margin", "entropy" (`mars_jax.decoding.gates`)
   Kind           objective: "mars" (two streams) or "ar_sft" (plain causal)
   IntraBlock     noisy-stream attention inside a block: "causal" (MARS) or
                  "bidirectional" (Block Diffusion)

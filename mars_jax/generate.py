@@ -20,7 +20,8 @@ import json
 import time
 from typing import Sequence
 
-from mars_jax import choices, gates, sampling
+from mars_jax import choices, sampling
+from mars_jax.decoding import gates
 from mars_jax.choices import Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
   p.add_argument("--tau", type=float, default=1.0, help="gate threshold (1.0: exact AR)")
   p.add_argument("--window", default="1",
                  help="proposals per forward W, 1 <= W <= block size + 1 (1: AR), or 'auto' "
-                      "(load-aware choice, mars_jax.window_policy)")
+                      "(load-aware choice, mars_jax.decoding.window_policy)")
   p.add_argument("--mode", choices=choices.values(Mode), default="gated",
                  help="gated: MASK proposals committed under the gate; lossless: drafts "
                       "verified by the next forward, output equal to greedy AR")

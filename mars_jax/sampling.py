@@ -11,7 +11,7 @@ The decoding loop lives in `mars_jax.decoding`, one job per module:
   rounds.py    rounds of steps at the window a `WindowPolicy` chooses;
   mesh.py      decoding on a mesh: the shardings of the weights and the loop state.
 
-`mars_jax.gates` holds the acceptance rules and `mars_jax.serve` continuous batching.
+`mars_jax.decoding.gates` holds the acceptance rules and `mars_jax.serve` continuous batching.
 docs/design.md explains the slot layout and the invariants of the loop.
 """
 
@@ -28,7 +28,7 @@ from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.batching import GenerateResult  # noqa: F401  (the result type)
 from mars_jax.decoding.loop import DecodeState
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.window_policy import WindowPolicy
+from mars_jax.decoding.window_policy import WindowPolicy
 
 
 def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], *,
@@ -64,7 +64,7 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   several (may be empty); window: W proposals per forward, 1 <= W <= block size
   + 1, or "auto": chosen before every round of steps by `policy` (a
   `WindowPolicy`; a fresh one, which measures its step costs first, by default);
-  tau, metric: the gate (see `mars_jax.gates`), one, or one per prompt;
+  tau, metric: the gate (see `mars_jax.decoding.gates`), one, or one per prompt;
   mode: "gated" (MASK proposals committed while their gate holds) or "lossless"
   (drafts verified by the next forward; tau and metric unused).
   window=1, tau >= 1 with the probability or margin gate, or mode="lossless" is

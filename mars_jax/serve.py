@@ -42,12 +42,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mars_jax import gates
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding import batching, loop, rounds, timing
+from mars_jax.decoding import batching, gates, loop, rounds, timing
 from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.window_policy import FixedWindow, WindowPolicy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mars_jax import gates, hf, sampling, serve
+from mars_jax import hf, sampling, serve
+from mars_jax.decoding import gates
 from mars_jax.decoding import loop
 from mars_jax.benchmarks import toy
 from mars_jax.models import qwen2
-from mars_jax.window_policy import AcceptanceStats, CostTable, WindowPolicy
+from mars_jax.decoding.window_policy import AcceptanceStats, CostTable, WindowPolicy
 from test_sampling import BLOCK, MASK_ID, PROMPTS, TAUS, naive_ar, naive_mars
 
 EOS_NEVER = 126

@@ -43,12 +43,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import choices, evaluate, gates, hf, loading, sampling
+from mars_jax import choices, evaluate, hf, loading, sampling
 from mars_jax.benchmarks import roofline, toy
+from mars_jax.decoding import gates
 from mars_jax.choices import Mode
 from mars_jax.models import qwen2
 from mars_jax.models.config import PRESETS, Qwen2Config
-from mars_jax.window_policy import CostTable, WindowPolicy
+from mars_jax.decoding.window_policy import CostTable, WindowPolicy
 
 SHAPES = {
     "tiny": dict(vocab_size=320, hidden_size=192, intermediate_size=512, num_hidden_layers=4,

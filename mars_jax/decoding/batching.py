@@ -15,7 +15,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from mars_jax import choices, gates
+from mars_jax import choices
+from mars_jax.decoding import gates
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding.loop import DecodeState
 from mars_jax.models.qwen2 import Qwen2Config

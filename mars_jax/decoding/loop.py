@@ -4,7 +4,7 @@ Each step runs one forward over `2W-1` slots per sample: the tokens accepted by
 the previous step (their K/V are written now: deferred commitment), padded to
 `W` slots, then `W-1` MASK slots after the last accepted token. The output at
 the last real token (exact AR) and at each MASK slot gives `W` proposals, which
-`mars_jax.gates.accept` takes left to right. Every sample keeps its own cursors
+`mars_jax.decoding.gates.accept` takes left to right. Every sample keeps its own cursors
 and advances by its own accepted count; finished samples drop their writes.
 
 One sample, W = 3, cursor c = 5 (slots 0..4 hold committed K/V), length n = 7
@@ -80,7 +80,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mars_jax import gates, sharding
+from mars_jax import sharding
+from mars_jax.decoding import gates
 from mars_jax.choices import Mode
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime

@@ -1,6 +1,6 @@
 """Rounds of decoding steps at a window the policy chooses: the host loop between the
 jitted kernels (`mars_jax.decoding.loop`) and the load-aware window
-(`mars_jax.window_policy`).
+(`mars_jax.decoding.window_policy`).
 
 A round is one policy decision: W for the state's batch bucket, then
 `policy.round_steps` steps of `loop.run_steps` (the first ones wider when new rows
@@ -24,7 +24,7 @@ from mars_jax.decoding import batching, loop, timing
 from mars_jax.decoding.batching import Bucket, GenerateResult
 from mars_jax.decoding.loop import DecodeState
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.window_policy import FixedWindow, Measure, WindowPolicy
+from mars_jax.decoding.window_policy import FixedWindow, Measure, WindowPolicy
 
 Policy = WindowPolicy | FixedWindow
 MAX_ROUND_GROWTH = 8  # generate_with_policy: rounds grow to at most 8 x policy.round_steps

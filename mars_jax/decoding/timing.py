@@ -1,5 +1,5 @@
 """Measured seconds per decoding step of a compiled loop variant: the step costs the
-load-aware window (`mars_jax.window_policy`) weighs, and what `bench decode` reports."""
+load-aware window (`mars_jax.decoding.window_policy`) weighs, and what `bench decode` reports."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from mars_jax.choices import Mode
 from mars_jax.decoding import batching, loop
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.window_policy import Measure
+from mars_jax.decoding.window_policy import Measure
 
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,

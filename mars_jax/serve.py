@@ -2,10 +2,11 @@
 
   server = Server(config, params, mask_token_id=m, eos_token_ids=eos, batch_size=8,
                   max_len=512, window=WindowPolicy(), mode="lossless")
-  rid = server.submit(prompt_ids, max_new_tokens=64, tau=0.9)
+  rid = server.submit(prompt_ids, max_new_tokens=64, tau=0.9, temperature=0.7, seed=1,
+                      stop=["\n\n"])   # stop strings need Server(..., tokenizer=tok)
   for update in server.stream():          # until every submitted request is done
     print(update.request_id, update.tokens, update.done)
-  server.completed[rid].tokens_per_forward
+  server.completed[rid].tokens_per_forward, server.completed[rid].finish_reason
 
 Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_round`):
 
@@ -19,16 +20,19 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      the other rows keep decoding in the same forwards;
   3. decode: the policy picks W; the loop runs `round_steps` steps, ending early
      when a row finishes and requests are waiting;
-  4. stream: the tokens each request committed since the last step come back as
+  4. stop: rows whose new text holds one of their stop strings are cut after the
+     token that completed it (`mars_jax.decoding.stops`);
+  5. stream: the tokens each request committed since the last step come back as
      `Update`s; a finished request becomes a `Completion` and frees its row.
 
 On a mesh (`mesh=`, from `sharding.make_mesh`) the weights are placed once with the
 decode shardings and the state lives split over it (`mars_jax.decoding.mesh`); the
 buckets are then multiples of data x fsdp as well.
 
-Every row is decoded as if it were alone (per-sample cursors, gates and budgets),
-so a request gets the tokens it gets from `sampling.generate` alone at the same W;
-in lossless mode, the greedy AR tokens whatever W the policy picks.
+Every row is decoded as if it were alone (per-sample cursors, gates, budgets and
+position-keyed sampling noise), so a request gets the tokens it gets from
+`sampling.generate` alone at the same W; in lossless mode, the AR tokens (greedy, or
+sampled with its seed) whatever W the policy picks.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding import batching, gates, loop, rounds, timing
+from mars_jax.decoding import batching, gates, loop, rounds, stops, timing
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
@@ -51,32 +55,39 @@ from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+  """A queued request: its prompt, budget, `sampling.generate` controls and stops."""
   request_id: int
   prompt: tuple[int, ...]
   max_new_tokens: int
-  tau: float
-  metric: Metric
+  controls: dict
+  stop: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Update:
   """Tokens a request committed during one `Server.step` (streamed in order).
 
-  tokens: the new tokens; num_tokens, forwards: its totals so far; done: finished.
+  tokens: the new tokens; num_tokens, forwards: its totals so far; done: finished;
+  finish_reason: "eos", "stop" or "length" once done, else None.
   """
   request_id: int
   tokens: list[int]
   num_tokens: int
   forwards: int
   done: bool
+  finish_reason: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-  """A finished request: its continuation (up to and including EOS) and forwards."""
+  """A finished request: its continuation (up to and including its EOS or stop id, or
+  the token that completed a stop string), forwards, and why it ended ("eos", "stop",
+  "length"); text: as `GenerateResult.texts` when the server has a tokenizer."""
   request_id: int
   tokens: list[int]
   forwards: int
+  finish_reason: str = "length"
+  text: str | None = None
 
   @property
   def tokens_per_forward(self) -> float:
@@ -94,7 +105,8 @@ class Server:
   that do not give their own; prefill_chunk: width of the prefill steps (longer
   prompts take several); round_steps: steps between two host round trips
   (a fixed window; a policy brings its own); mesh: the mesh to decode on (None: one
-  device).
+  device); tokenizer: decodes the text stop strings are found in (and
+  `Completion.text`); max_stop_ids: stop ids a request may give.
   """
 
   def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,
@@ -103,7 +115,8 @@ class Server:
                window: int | WindowPolicy | FixedWindow = 1, mode: Mode = "gated", tau: float = 1.0,
                metric: Metric = "probability", prefill_chunk: int = 64,
                round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, tokenizer=None,
+               max_stop_ids: int = loop.STOP_BUCKET):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, round_steps=round_steps))
     batching.check_args(config, window=max(self.policy.windows), mode=mode,
@@ -121,12 +134,16 @@ class Server:
     self.mask_token_id, self.tau, self.metric = mask_token_id, tau, metric
     self.eos_ids = batching.eos_array(eos_token_ids)
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
+    self.tokenizer, self.max_stop_ids = tokenizer, max_stop_ids
     self.measure = timing.measure_fn(config, params, mode=mode,
                                      mask_token_id=mask_token_id, runtime=runtime, mesh=mesh)
-    self.state = (loop.new_state(config, self.min_batch, max_len, runtime=runtime)
-                  if mesh is None else
-                  decode_mesh.new_state(config, mesh, self.min_batch, max_len, runtime=runtime))
+    self.state = (loop.new_state(config, self.min_batch, max_len, runtime=runtime,
+                                 stop_ids=max_stop_ids) if mesh is None else
+                  decode_mesh.new_state(config, mesh, self.min_batch, max_len, runtime=runtime,
+                                        stop_ids=max_stop_ids))
     self.slots: list[int | None] = [None] * self.min_batch
+    self.scan = stops.StopScan(tokenizer, [()] * self.min_batch)
+    self._requests: dict[int, Request] = {}
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
     self._streamed: dict[int, int] = {}
@@ -148,8 +165,12 @@ class Server:
     return not self.queue and not self.active
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, tau: float | None = None,
-             metric: Metric | None = None) -> int:
-    """Queues a request; -> its id. tau, metric default to the server's."""
+             metric: Metric | None = None, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None,
+             stop_token_ids: Sequence[int] = ()) -> int:
+    """Queues a request; -> its id. tau, metric default to the server's; the sampling
+    controls, stop strings and stop ids are as `sampling.generate`'s. Raises
+    ValueError on a request the server cannot serve, before queueing it."""
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
     batching.check_prompt_ids(self.config, [prompt])
@@ -157,11 +178,19 @@ class Server:
     if need > self.max_len:
       raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + W - 1 "
                        f"= {need} exceeds the server's max_len={self.max_len}.")
-    metric = self.metric if metric is None else metric
-    gates.metric_ids(metric, 1)
+    controls = dict(tau=float(self.tau if tau is None else tau),
+                    metric=self.metric if metric is None else metric,
+                    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                    seed=int(seed), stop_token_ids=[int(t) for t in stop_token_ids])
+    batching.controls(1, 1, stop_width=self.max_stop_ids, **controls)  # raises on bad ones
+    stop_strings = stops.check_stops(stop, 1)[0]
+    if stop_strings and self.tokenizer is None:
+      raise ValueError("stop strings need a server with a tokenizer (Server(..., "
+                       "tokenizer=...)).")
     request = Request(self._next_id, tuple(int(t) for t in prompt), int(max_new_tokens),
-                      float(self.tau if tau is None else tau), metric)
+                      controls, stop_strings)
     self.queue.append(request)
+    self._requests[request.request_id] = request
     self._streamed[request.request_id] = 0
     self._next_id += 1
     return request.request_id
@@ -177,6 +206,10 @@ class Server:
     rows[:len(keep)] = keep
     self.state = loop.regroup(self.state, rows, mesh=self.mesh)
     self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
+    scan = stops.StopScan(self.tokenizer, [()] * want)
+    for new, old in enumerate(keep):
+      scan.stops[new], scan.checked[new] = self.scan.stops[old], self.scan.checked[old]
+    self.scan = scan
 
   def _refill(self) -> tuple[int, int]:
     """Starts queued requests in free rows; -> (prefill width, prefill steps), (0, 0)
@@ -186,15 +219,17 @@ class Server:
       return 0, 0
     started = [self.queue.popleft() for _ in free]
     b = len(self.slots)
+    controls = {k: [r.controls[k] for r in started] for k in started[0].controls}
     new = batching.bucket([r.prompt for r in started], b,
                           max_new_tokens=[r.max_new_tokens for r in started],
-                          tau=[r.tau for r in started], metric=[r.metric for r in started])
+                          stop_width=self.max_stop_ids, **controls)
     rows = np.full((b,), b, np.int32)  # entry k: the row request k starts in (b: none)
     rows[:len(free)] = free
     for row, r in zip(free, started):
       self.slots[row] = r.request_id
+      self.scan.reset(row, r.stop)
     self.state = loop.insert(self.state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
-                             new.tau, new.metric, mesh=self.mesh)
+                             new.controls, mesh=self.mesh)
     width = min(new.prompt.shape[1], self.prefill_chunk)
     return width, math.ceil(max(len(r.prompt) for r in started) / width)
 
@@ -208,13 +243,13 @@ class Server:
         self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
         mask_token_id=self.mask_token_id, mode=self.mode, measure=self.measure,
         real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),
-        runtime=self.runtime, mesh=self.mesh)
+        scan=self.scan, runtime=self.runtime, mesh=self.mesh)
     return self._harvest()
 
   def _harvest(self) -> list[Update]:
-    seq, start, length, forwards, done = jax.device_get(
+    seq, start, length, forwards, done, stop_ids = jax.device_get(
         (self.state.seq, self.state.prompt_len, self.state.length, self.state.forwards,
-         self.state.done))
+         self.state.done, self.state.controls.stop_ids))
     updates = []
     for row, rid in enumerate(self.slots):
       if rid is None:
@@ -222,9 +257,16 @@ class Server:
       tokens = seq[row, start[row]:length[row]].tolist()
       new = tokens[self._streamed[rid]:]
       self._streamed[rid] = len(tokens)
-      updates.append(Update(rid, new, len(tokens), int(forwards[row]), bool(done[row])))
+      reason = (batching.finish_reason(tokens, self.eos_ids, stop_ids[row],
+                                       stopped=self.scan.stopped[row]) if done[row] else None)
+      updates.append(Update(rid, new, len(tokens), int(forwards[row]), bool(done[row]),
+                            reason))
       if done[row]:
-        self.completed[rid] = Completion(rid, tokens, int(forwards[row]))
+        request = self._requests.pop(rid)
+        text = None if self.tokenizer is None else stops.text(
+            self.tokenizer, tokens, request.stop,
+            ended_by_token=reason == "eos" or (reason == "stop" and not self.scan.stopped[row]))
+        self.completed[rid] = Completion(rid, tokens, int(forwards[row]), reason, text)
         del self._streamed[rid]
         self.slots[row] = None
     return updates

@@ -51,7 +51,7 @@ def step_cost(config, params, *, batch: int, cache_len: int, window: int,
   ones = np.ones((batch,), np.int32)
   state = loop.start(config, ones[:, None], ones,
                          np.full((batch,), cache_len - window, np.int32),
-                         ones.astype(np.float32), 0 * ones, cache_len=cache_len)
+                         loop.new_controls(batch), cache_len=cache_len)
   compiled = loop.run_steps.lower(
       config, params, state, batching.eos_array(()), np.int32(mask_token_id), np.int32(1),
       np.bool_(False), window=window, real_slots=window, mode="gated").compile()

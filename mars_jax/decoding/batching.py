@@ -3,8 +3,9 @@
 Every caller of the loop (`sampling.generate`, the window-policy rounds and
 `serve.Server`) lays its prompts out with `bucket`: rows padded to a power of two
 (padding rows have max_new_tokens 0, so they start done), prompts right-padded to
-a power-of-two width (>= MIN_PROMPT_BUCKET), one gate and budget per row. Powers
-of two bound the compiled variants of the loop (see `mars_jax.decoding.loop`).
+a power-of-two width (>= MIN_PROMPT_BUCKET), one budget and one set of controls
+(`loop.Controls`: gate, sampling, seed, stop ids) per row. Powers of two bound the
+compiled variants of the loop (see `mars_jax.decoding.loop`).
 """
 
 from __future__ import annotations
@@ -18,26 +19,35 @@ import numpy as np
 from mars_jax import choices
 from mars_jax.decoding import gates
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding.loop import DecodeState
+from mars_jax.decoding.loop import STOP_BUCKET, Controls, DecodeState
 from mars_jax.models.qwen2 import Qwen2Config
 
 MIN_PROMPT_BUCKET = 8
 EOS_BUCKET = 8
+FINISH_REASONS = ("eos", "stop", "length")
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
   """What `generate` returns.
 
-  tokens: one continuation per prompt, up to and including its EOS.
-  num_forwards: per prompt, the forwards it took part in (prefill included).
+  tokens: one continuation per prompt, up to and including its EOS or stop id, or
+    the token that completed a stop string; nothing decoded after it.
+  num_forwards: per prompt, the forwards it took part in (prefill included) up to the
+    one that committed its last token.
   forwards: forwards run for the whole batch (the longest sample's count).
   windows: forwards run for the batch at each window W.
+  finish_reasons: per prompt, "eos" (an EOS id ended it), "stop" (a stop id or stop
+    string), or "length" (max_new_tokens reached).
+  texts: per prompt, when a tokenizer was given: the decoded continuation (special
+    tokens skipped) without its final EOS or stop id, cut before the first stop string.
   """
   tokens: list[list[int]]
   num_forwards: list[int]
   forwards: int
   windows: dict[int, int] = dataclasses.field(default_factory=dict)
+  finish_reasons: list[str] = dataclasses.field(default_factory=list)
+  texts: list[str] | None = None
 
   @property
   def num_tokens(self) -> list[int]:
@@ -60,6 +70,17 @@ def eos_array(eos_token_ids: int | Sequence[int]) -> np.ndarray:
   out = np.full((pow2(len(ids), EOS_BUCKET),), -1, np.int32)
   out[:len(ids)] = ids
   return out
+
+
+def ids_per_prompt(ids, n: int, name: str) -> list[list[int]]:
+  """One id list for every prompt (ints), or one list per prompt -> n int lists."""
+  ids = list(ids or ())
+  if not ids or all(isinstance(i, (int, np.integer)) for i in ids):
+    return [[int(i) for i in ids]] * n
+  if len(ids) != n:
+    raise ValueError(f"{name}: {len(ids)} lists for {n} prompts; pass one list of ids, or "
+                     "one list per prompt.")
+  return [[int(i) for i in row] for row in ids]
 
 
 def per_prompt(value, n: int, name: str, dtype) -> np.ndarray:
@@ -115,19 +136,59 @@ def check_prompts(config: Qwen2Config, prompts: Sequence[Sequence[int]], max_new
   return budget
 
 
+def check_sampling(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                   seed: np.ndarray) -> None:
+  """Raises ValueError on sampling controls outside their ranges."""
+  if not np.all(np.isfinite(temperature) & (temperature >= 0)):
+    raise ValueError(f"temperature={temperature.tolist()}; it must be >= 0 (0: greedy).")
+  if np.any(top_k < 0):
+    raise ValueError(f"top_k={top_k.tolist()}; it must be >= 0 (0: off).")
+  if not np.all((top_p > 0) & (top_p <= 1)):
+    raise ValueError(f"top_p={top_p.tolist()}; it must be in (0, 1] (1.0: off).")
+  if np.any((seed < 0) | (seed >= 1 << 32)):
+    raise ValueError(f"seed={seed.tolist()}; it must be in [0, 2**32).")
+
+
+def controls(n: int, rows: int, *, tau=1.0, metric: Metric | Sequence[Metric] = "probability",
+             temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token_ids=(),
+             stop_width: int | None = None) -> Controls:
+  """The `loop.Controls` of n prompts in the first n of `rows` rows (the rest padding);
+  each argument one value, or one per prompt (stop_token_ids: one id list, or one per
+  prompt). stop_width: stop ids per row (default: a power of two >= STOP_BUCKET that
+  holds them; a state's width when inserting into it)."""
+  def pad(values, fill=0):
+    return np.pad(values, (0, rows - n), constant_values=fill)
+  sample = [per_prompt(temperature, n, "temperature", np.float64),
+            per_prompt(top_k, n, "top_k", np.int64), per_prompt(top_p, n, "top_p", np.float64),
+            per_prompt(seed, n, "seed", np.int64)]
+  check_sampling(*sample)
+  stops = ids_per_prompt(stop_token_ids, n, "stop_token_ids")
+  width = stop_width or pow2(max(map(len, stops)), STOP_BUCKET)
+  if max(map(len, stops)) > width:
+    raise ValueError(f"{max(map(len, stops))} stop token ids; at most {width} per request.")
+  stop_ids = np.full((rows, width), -1, np.int32)
+  for i, row in enumerate(stops):
+    stop_ids[i, :len(row)] = row
+  return Controls(tau=pad(per_prompt(tau, n, "tau", np.float32), 1.0),
+                  metric=pad(gates.metric_ids(metric, n)),
+                  temperature=pad(sample[0].astype(np.float32)),
+                  top_k=pad(sample[1].astype(np.int32)),
+                  top_p=pad(sample[2].astype(np.float32), 1.0),
+                  seed=pad(sample[3].astype(np.uint32)), stop_ids=stop_ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
   """Prompts laid out for the loop, b rows (a power of two) of width P.
 
   prompt: int32[b, P] right-padded; prompt_len: int32[b] (1 on padding rows);
   max_new_tokens: int32[b] (0 on padding rows: they start done);
-  tau: float32[b]; metric: int32[b] (indices into `gates.METRICS`).
+  controls: `loop.Controls` of b rows (padding rows: greedy, exact AR).
   """
   prompt: np.ndarray
   prompt_len: np.ndarray
   max_new_tokens: np.ndarray
-  tau: np.ndarray
-  metric: np.ndarray
+  controls: Controls
 
   def cache_len(self, window: int) -> int:
     """Cache slots for every row's prompt + budget + W - 1: a power of two >= P."""
@@ -136,10 +197,10 @@ class Bucket:
 
 
 def bucket(prompts: Sequence[Sequence[int]], rows: int, *, max_new_tokens,
-           tau: float | Sequence[float] = 1.0,
-           metric: Metric | Sequence[Metric] = "probability") -> Bucket:
-  """n prompts in the first n of `rows` rows (rows >= n); max_new_tokens, tau, metric:
-  one value, or one per prompt (as `sampling.generate`)."""
+           **controls_kw) -> Bucket:
+  """n prompts in the first n of `rows` rows (rows >= n); max_new_tokens and the
+  controls (tau, metric, temperature, top_k, top_p, seed, stop_token_ids; see
+  `controls`): one value, or one per prompt (as `sampling.generate`)."""
   n = len(prompts)
   prompt = np.zeros((rows, pow2(max(map(len, prompts)), MIN_PROMPT_BUCKET)), np.int32)
   lens = np.ones((rows,), np.int32)
@@ -150,15 +211,31 @@ def bucket(prompts: Sequence[Sequence[int]], rows: int, *, max_new_tokens,
   def pad(values, fill=0):
     return np.pad(values, (0, rows - n), constant_values=fill)
   return Bucket(prompt, lens, pad(per_prompt(max_new_tokens, n, "max_new_tokens", np.int32)),
-                pad(per_prompt(tau, n, "tau", np.float32), 1.0),
-                pad(gates.metric_ids(metric, n)))
+                controls(n, rows, **controls_kw))
 
 
-def results(state: DecodeState, n: int, windows: dict[int, int] | None = None
-            ) -> GenerateResult:
-  """The `GenerateResult` of the first `n` rows of a final `DecodeState`."""
-  seq, start, end, fwd, steps = jax.device_get(
-      (state.seq, state.prompt_len, state.length, state.forwards, state.steps))
+def finish_reason(tokens: Sequence[int], eos_ids, stop_ids, *, stopped: bool) -> str:
+  """"eos", "stop" or "length" for a finished continuation; stopped: a stop string
+  ended it. eos_ids, stop_ids: int arrays (entries < 0 are padding)."""
+  last = tokens[-1] if tokens else -1
+  if stopped:
+    return "stop"
+  if last >= 0 and last in set(np.asarray(eos_ids).tolist()):
+    return "eos"
+  return "stop" if last >= 0 and last in set(np.asarray(stop_ids).tolist()) else "length"
+
+
+def results(state: DecodeState, n: int, windows: dict[int, int] | None = None, *,
+            eos_ids=(), stopped: Sequence[bool] = ()) -> GenerateResult:
+  """The `GenerateResult` of the first `n` rows of a final `DecodeState` (texts unset).
+  eos_ids: the EOS ids decoded with; stopped: per row, whether a stop string ended it."""
+  seq, start, end, fwd, steps, stop_ids = jax.device_get(
+      (state.seq, state.prompt_len, state.length, state.forwards, state.steps,
+       state.controls.stop_ids))
+  tokens = [seq[i, start[i]:end[i]].tolist() for i in range(n)]
+  stopped = list(stopped) or [False] * n
   return GenerateResult(
-      tokens=[seq[i, start[i]:end[i]].tolist() for i in range(n)],
-      num_forwards=fwd[:n].tolist(), forwards=int(steps), windows=dict(windows or {}))
+      tokens=tokens, num_forwards=fwd[:n].tolist(), forwards=int(steps),
+      windows=dict(windows or {}),
+      finish_reasons=[finish_reason(t, eos_ids, stop_ids[i], stopped=stopped[i])
+                      for i, t in enumerate(tokens)])

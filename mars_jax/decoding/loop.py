@@ -48,13 +48,19 @@ proposals, cursor = 8 (the K/V of x6, d7 are valid; d8's are stale and get
 overwritten). All drafts matching: commit g7, g8, g9 and take d10, d11 as the
 next drafts. The output is greedy AR, token for token, at every W.
 
+Sampling (temperature > 0, per sample): every slot's token is drawn from its warped
+distribution with noise keyed by the sample's seed and the position it fills
+(`mars_jax.decoding.draws`), so the MASK slot's draft for position n and the next
+forward's verifying draw at n share their noise, and lossless mode commits the
+tokens of AR sampling with the same seed, token for token, at every W.
+
 A step feeds at most `real_slots` pending tokens; a sample with more pending
 (a long prompt chunked over several steps, or W lowered between rounds)
 writes those K/V and moves its cursor without proposing (a partial step).
 
-Per-sample gates: `tau` and `metric` are arrays in the loop state, one entry per
-sample, so one batch mixes exact-AR (tau >= 1) and fast requests in one
-compilation. Compilation: one per (batch bucket, prompt-length bucket,
+Per-sample controls (`Controls`: the gate, the sampling controls, the seed and the
+stop ids) are arrays in the loop state, one entry per sample, so one batch mixes
+exact-AR (tau >= 1), fast, greedy and sampled requests in one compilation. Compilation: one per (batch bucket, prompt-length bucket,
 cache-length bucket, W, mode), all powers of two; budgets and gates are traced.
 
 Beyond `decode` (one call to completion), `run_steps` runs the loop for a
@@ -77,12 +83,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mars_jax import sharding
-from mars_jax.decoding import gates
 from mars_jax.choices import Mode
+from mars_jax.decoding import draws, gates
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
@@ -90,6 +97,31 @@ Array = jax.Array
 ROW_AXES = P("activation_batch")
 SEQ_AXES = P("activation_batch", "activation_length")
 CACHE_AXES = P(None, "activation_batch", "activation_kv_heads", "activation_length", None)
+STOP_AXES = P("activation_batch", None)
+STOP_BUCKET = 8  # stop ids per row in a state, unless its maker asks for more
+
+
+@struct.dataclass
+class Controls:
+  """Each sample's decoding controls (b rows, E stop ids per row).
+
+  tau: float32[b], metric: int32[b] (index into `gates.METRICS`): the gate.
+  temperature: float32[b] (0: greedy); top_k: int32[b] (0: off); top_p: float32[b]
+  (1.0: off); seed: uint32[b] (`mars_jax.decoding.draws`).
+  stop_ids: int32[b, E]: tokens that end the sample besides EOS (-1: padding).
+  """
+  tau: Array
+  metric: Array
+  temperature: Array
+  top_k: Array
+  top_p: Array
+  seed: Array
+  stop_ids: Array
+
+
+def control_axes() -> Controls:
+  per_row = {f.name: ROW_AXES for f in dataclasses.fields(Controls) if f.name != "stop_ids"}
+  return Controls(stop_ids=STOP_AXES, **per_row)
 
 
 @struct.dataclass
@@ -105,9 +137,11 @@ class DecodeState:
     (0 in gated mode).
   prompt_len: int32[b].
   limit: int32[b]: prompt_len + max_new_tokens (the length at which a sample stops).
-  tau: float32[b], metric: int32[b] (index into `gates.METRICS`): each sample's gate.
-  done: bool[b]: finished (EOS accepted, budget used, or a padding row).
+  controls: each sample's `Controls`.
+  done: bool[b]: finished (an end token accepted, budget used, stopped, or padding).
   forwards: int32[b]: forwards in which the sample proposed tokens.
+  born: int32[b, S]: the sample's forward (its `forwards` count) that committed
+    seq[s], for cutting a sample short after the fact (`stop`).
   steps: int32[]: forwards run for the batch (prefill included).
   """
   seq: Array
@@ -117,19 +151,19 @@ class DecodeState:
   draft: Array
   prompt_len: Array
   limit: Array
-  tau: Array
-  metric: Array
+  controls: Controls
   done: Array
   forwards: Array
+  born: Array
   steps: Array
 
 
 def state_axes() -> DecodeState:
   """The logical axes of every field (a `DecodeState` of `PartitionSpec`s)."""
   per_row = {f.name: ROW_AXES for f in dataclasses.fields(DecodeState)
-             if f.name not in ("seq", "cache", "steps")}
-  return DecodeState(seq=SEQ_AXES, cache={"k": CACHE_AXES, "v": CACHE_AXES}, steps=P(),
-                     **per_row)
+             if f.name not in ("seq", "cache", "controls", "born", "steps")}
+  return DecodeState(seq=SEQ_AXES, cache={"k": CACHE_AXES, "v": CACHE_AXES},
+                     controls=control_axes(), born=SEQ_AXES, steps=P(), **per_row)
 
 
 def pin(state: DecodeState) -> DecodeState:
@@ -159,9 +193,10 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   drafts, at most `real_slots` in all, are fed as real inputs and their K/V
   written; the MASK slots follow the last of them. A sample with more pending
   tokens than `real_slots` takes a partial step (writes K/V, proposes nothing).
-  Gated mode accepts the `window` proposals by `gates.accept`; lossless mode
-  commits what `gates.verify` confirms and keeps the MASK proposals as the next
-  drafts after a full match.
+  Every output's token is chosen by `draws.choose` (greedy, or drawn for the
+  position it fills). Gated mode accepts the `window` proposals by `gates.accept`;
+  lossless mode commits what `gates.verify` confirms and keeps the MASK proposals as
+  the next drafts after a full match.
   """
   batch, slots = state.seq.shape
   rows = jnp.arange(batch)[:, None]
@@ -200,62 +235,85 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
                          runtime=runtime)
   budget_left = jnp.where(proposing, state.limit - length, 0)
   proposal = jnp.arange(window)[None]
+  c = state.controls
+  ends = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch,) + eos_ids.shape), c.stop_ids],
+                         axis=1)
+  # The position each output's token fills: the verifying outputs (lossless) or the
+  # proposals (gated) from `length` on; lossless MASK slot j's draft at
+  # length + drafts_fed + j (the first position after a full match, and on).
+  fills = length[:, None] + (proposal if mode == "lossless" else jnp.arange(window)[None])
   if mode == "lossless":
-    greedy = gates.greedy(logits[:, :window])
-    masked = gates.greedy(logits[:, window:])
+    fills = jnp.concatenate([fills, (length + drafts_fed)[:, None] + proposal[:, 1:]], axis=1)
+  out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed)
+  if mode == "lossless":
+    verified = out[:, :window]
     drafts = jnp.take_along_axis(
         state.seq, jnp.minimum(length[:, None] + jnp.arange(window - 1)[None], slots - 1),
         axis=1)
-    accepted, hit_eos = gates.verify(greedy, drafts, drafts_fed, eos_ids, budget_left)
+    accepted, hit_end = gates.verify(verified, drafts, drafts_fed, ends, budget_left)
     new_length = length + accepted
-    full_match = (accepted == drafts_fed + 1) & ~hit_eos
+    full_match = (accepted == drafts_fed + 1) & ~hit_end
     next_drafts = jnp.where(full_match, jnp.clip(state.limit - new_length, 0, window - 1), 0)
-    out = jnp.concatenate([greedy, masked], axis=1)
     dest = jnp.concatenate(
         [jnp.where(proposal < accepted[:, None], length[:, None] + proposal, slots),
          jnp.where(proposal[:, :window - 1] < next_drafts[:, None],
                    new_length[:, None] + proposal[:, :window - 1], slots)], axis=1)
   else:
-    out, accepted, hit_eos = gates.accept(logits, state.tau, state.metric, eos_ids,
-                                          budget_left)
+    accepted, hit_end = gates.accept(draws.scale(logits, c.temperature), out, c.tau,
+                                     c.metric, ends, budget_left)
     new_length = length + accepted
     next_drafts = jnp.zeros_like(length)
     dest = jnp.where(proposal < accepted[:, None], length[:, None] + proposal, slots)
   new_cursor = jnp.where(partial, cursor + real_slots,
                          jnp.where(active, length + jnp.minimum(drafts_fed, accepted - 1),
                                    cursor))
+  forwards = state.forwards + proposing.astype(jnp.int32)
   return pin(state.replace(
       seq=state.seq.at[rows, dest].set(out, mode="drop"), cache=cache,
       cursor=new_cursor, length=new_length,
       draft=jnp.where(proposing, next_drafts, state.draft),
-      done=state.done | hit_eos | (new_length >= state.limit),
-      forwards=state.forwards + proposing.astype(jnp.int32),
+      done=state.done | hit_end | (new_length >= state.limit),
+      forwards=forwards,
+      born=state.born.at[rows, dest].set(jnp.broadcast_to(forwards[:, None], dest.shape),
+                                         mode="drop"),
       steps=state.steps + 1))
 
 
+def new_controls(batch: int, stop_ids: int = STOP_BUCKET) -> Controls:
+  """Controls of padding rows: greedy exact AR, no stop ids (numpy, int32[batch] etc.)."""
+  ones = np.ones((batch,), np.float32)
+  zeros = np.zeros((batch,), np.int32)
+  return Controls(tau=ones, metric=zeros, temperature=0 * ones, top_k=zeros, top_p=ones,
+                  seed=zeros.astype(np.uint32),
+                  stop_ids=np.full((batch, stop_ids), -1, np.int32))
+
+
 def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
-              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
-  """An empty state: `batch` padding rows (done), a zeroed cache of `cache_len` slots."""
+              runtime: Runtime = DEFAULT_RUNTIME, stop_ids: int = STOP_BUCKET) -> DecodeState:
+  """An empty state: `batch` padding rows (done), a zeroed cache of `cache_len` slots,
+  room for `stop_ids` stop ids per row."""
   def zeros():  # one buffer per field: `insert` and `run_steps` donate the state
     return jnp.zeros((batch,), jnp.int32)
   return DecodeState(
       seq=jnp.zeros((batch, cache_len), jnp.int32),
       cache=qwen2.init_cache(config, batch, cache_len, runtime=runtime),
       cursor=zeros(), length=zeros(), draft=zeros(), prompt_len=zeros(), limit=zeros(),
-      tau=jnp.ones((batch,), jnp.float32), metric=zeros(),
-      done=jnp.ones((batch,), bool), forwards=zeros(), steps=jnp.zeros((), jnp.int32))
+      controls=jax.tree.map(jnp.array, new_controls(batch, stop_ids)),
+      done=jnp.ones((batch,), bool), forwards=zeros(),
+      born=jnp.zeros((batch, cache_len), jnp.int32), steps=jnp.zeros((), jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh",))
 def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
-           max_new_tokens: Array, tau: Array, metric: Array, *,
+           max_new_tokens: Array, controls: Controls, *,
            mesh: Mesh | None = None) -> DecodeState:
   """Starts new samples in rows of a state, leaving the other rows as they are.
 
   rows: int32[k] (entries >= b are ignored); prompt: int32[k, P] right-padded;
   prompt_len: int32[k] (>= 1); max_new_tokens: int32[k] (0: the row stays done);
-  tau: float32[k]; metric: int32[k]. The rows' old K/V stay in the cache: a query
-  at position p reads slots <= p only, and the new sample's forwards write them first.
+  controls: `Controls` of k rows (stop ids as wide as the state's). The rows' old K/V
+  stay in the cache: a query at position p reads slots <= p only, and the new
+  sample's forwards write them first.
   """
   def put(field, value):
     return field.at[rows].set(value.astype(field.dtype), mode="drop")
@@ -266,9 +324,23 @@ def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
     return pin(state.replace(
         seq=seq, cursor=put(state.cursor, zeros), length=put(state.length, prompt_len),
         draft=put(state.draft, zeros), prompt_len=put(state.prompt_len, prompt_len),
-        limit=put(state.limit, prompt_len + max_new_tokens), tau=put(state.tau, tau),
-        metric=put(state.metric, metric), done=put(state.done, max_new_tokens <= 0),
-        forwards=put(state.forwards, zeros)))
+        limit=put(state.limit, prompt_len + max_new_tokens),
+        controls=jax.tree.map(put, state.controls, controls),
+        done=put(state.done, max_new_tokens <= 0), forwards=put(state.forwards, zeros)))
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh",))
+def stop(state: DecodeState, rows: Array, keep: Array, *, mesh: Mesh | None = None
+         ) -> DecodeState:
+  """Ends the samples in `rows` after their first `keep` generated tokens (a stop string
+  found on the host); their forwards are counted up to the one that committed the last
+  token kept. rows: bool[b]; keep: int32[b] (>= 1 where rows), ignored elsewhere."""
+  b = state.seq.shape[0]
+  length = jnp.where(rows, jnp.minimum(state.prompt_len + keep, state.length), state.length)
+  last = state.born[jnp.arange(b), jnp.maximum(length - 1, 0)]
+  with on_mesh(mesh):
+    return pin(state.replace(length=length, done=state.done | rows,
+                             forwards=jnp.where(rows, last, state.forwards)))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
@@ -279,8 +351,8 @@ def regroup(state: DecodeState, rows: Array, *, mesh: Mesh | None = None) -> Dec
   """
   b = state.seq.shape[0]
   idx = jnp.minimum(rows, b - 1)
-  per_row = {f.name: getattr(state, f.name)[idx] for f in dataclasses.fields(state)
-             if f.name not in ("cache", "steps")}
+  per_row = {f.name: jax.tree.map(lambda a: a[idx], getattr(state, f.name))
+             for f in dataclasses.fields(state) if f.name not in ("cache", "steps")}
   with on_mesh(mesh):
     return pin(state.replace(**{**per_row, "done": per_row["done"] | (rows >= b)},
                              cache=jax.tree.map(lambda a: a[:, idx], state.cache)))
@@ -315,24 +387,25 @@ def run_steps(config: Qwen2Config, params, state: DecodeState, eos_ids: Array,
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "cache_len", "mesh"))
 def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens: Array,
-          tau: Array, metric: Array, *, cache_len: int,
+          controls: Controls, *, cache_len: int,
           runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """A state of b = len(prompt) rows starting the prompts (arguments as `insert`;
   rows with max_new_tokens 0 are padding), nothing run yet."""
   b = prompt.shape[0]
-  return insert(new_state(config, b, cache_len, runtime=runtime), jnp.arange(b), prompt,
-                prompt_len, max_new_tokens, tau, metric, mesh=mesh)
+  return insert(new_state(config, b, cache_len, runtime=runtime,
+                          stop_ids=controls.stop_ids.shape[1]),
+                jnp.arange(b), prompt, prompt_len, max_new_tokens, controls, mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len",
                                              "mesh"))
 def prefill(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
-            max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
+            max_new_tokens: Array, controls: Controls, eos_ids: Array,
             mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
             runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """`start`, then the first forward: the whole prompt as pending tokens, so it yields
   the first `window` proposals too (arguments as `decode`) -> the state after it."""
-  state = start(config, prompt, prompt_len, max_new_tokens, tau, metric, cache_len=cache_len,
+  state = start(config, prompt, prompt_len, max_new_tokens, controls, cache_len=cache_len,
                 runtime=runtime, mesh=mesh)
   with on_mesh(mesh):
     return advance(config, runtime, params, state, eos_ids, mask_token_id,
@@ -342,21 +415,20 @@ def prefill(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len",
                                              "mesh"))
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
-           max_new_tokens: Array, tau: Array, metric: Array, eos_ids: Array,
+           max_new_tokens: Array, controls: Controls, eos_ids: Array,
            mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
            runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
   """Prefill, then the decoding loop until every sample is done.
 
   prompt: int32[b, P] right-padded; prompt_len: int32[b] (>= 1);
-  max_new_tokens: int32[b] (0 marks a padding row); tau: float32[b];
-  metric: int32[b] (index into `gates.METRICS`); eos_ids: int32[e] (entries < 0
-  are padding); mask_token_id: int32[];
+  max_new_tokens: int32[b] (0 marks a padding row); controls: `Controls` of b rows;
+  eos_ids: int32[e] (entries < 0 are padding); mask_token_id: int32[];
   cache_len: S >= max(prompt_len + max_new_tokens) + window - 1;
   mesh: None (one device), or the mesh the params are placed on (rows split over
   data x fsdp: b divisible by their size).
   -> the final `DecodeState`; sample i generated seq[i, prompt_len[i]:length[i]].
   """
-  state = prefill(config, params, prompt, prompt_len, max_new_tokens, tau, metric, eos_ids,
+  state = prefill(config, params, prompt, prompt_len, max_new_tokens, controls, eos_ids,
                   mask_token_id, window=window, mode=mode, cache_len=cache_len,
                   runtime=runtime, mesh=mesh)
   step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,

@@ -41,10 +41,11 @@ def param_shardings(config: Qwen2Config, mesh: Mesh,
 
 
 def state_shardings(config: Qwen2Config, mesh: Mesh, *, batch: int, cache_len: int,
-                    runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+                    runtime: Runtime = DEFAULT_RUNTIME,
+                    stop_ids: int = loop.STOP_BUCKET) -> DecodeState:
   """A `DecodeState` of the `NamedSharding` of every field (b = batch, S = cache_len)."""
   shapes = jax.eval_shape(functools.partial(loop.new_state, config, batch, cache_len,
-                                            runtime=runtime))
+                                            runtime=runtime, stop_ids=stop_ids))
   return sharding.logical_shardings(loop.state_axes(), shapes, mesh, sharding.DECODE_RULES)
 
 
@@ -70,11 +71,13 @@ def place_params(config: Qwen2Config, params: Any, mesh: Mesh,
 
 
 def new_state(config: Qwen2Config, mesh: Mesh, batch: int, cache_len: int, *,
-              runtime: Runtime = DEFAULT_RUNTIME) -> DecodeState:
+              runtime: Runtime = DEFAULT_RUNTIME, stop_ids: int = loop.STOP_BUCKET
+              ) -> DecodeState:
   """`loop.new_state` created in place on the mesh, each device holding its shard."""
-  make = functools.partial(loop.new_state, config, batch, cache_len, runtime=runtime)
+  make = functools.partial(loop.new_state, config, batch, cache_len, runtime=runtime,
+                           stop_ids=stop_ids)
   return jax.jit(make, out_shardings=state_shardings(
-      config, mesh, batch=batch, cache_len=cache_len, runtime=runtime))()
+      config, mesh, batch=batch, cache_len=cache_len, runtime=runtime, stop_ids=stop_ids))()
 
 
 def parse_mesh(text: str) -> sharding.MeshConfig:
@@ -121,9 +124,9 @@ def lower_decode(config: Qwen2Config, mesh: Mesh, *, batch: int, prompt_len: int
                         qwen2.abstract_params(config, runtime=runtime),
                         param_shardings(config, mesh, runtime))
   rows, one = sharding.batch_sharding(mesh, sharding.DECODE_RULES), sharding.replicated(mesh)
-  per_row = [spec((batch,), dtype, rows)
-             for dtype in (jnp.int32, jnp.int32, jnp.float32, jnp.int32)]
+  per_row = [spec((batch,), jnp.int32, rows) for _ in range(2)]
+  controls = jax.tree.map(lambda x: spec(x.shape, x.dtype, rows), loop.new_controls(batch))
   return loop.decode.lower(
-      config, params, spec((batch, prompt_len), jnp.int32, rows), *per_row,
+      config, params, spec((batch, prompt_len), jnp.int32, rows), *per_row, controls,
       spec((batching.EOS_BUCKET,), jnp.int32, one), spec((), jnp.int32, one),
       window=window, mode=mode, cache_len=cache_len, runtime=runtime, mesh=mesh)

@@ -3,7 +3,9 @@
 Greedy decoding through `mars_jax.sampling` on GSM8K-format problems (the
 synthetic test split, or a local JSONL of {"question", "answer"} with `#### N`),
 for every (gate, window, tau) asked; prints a table and writes JSON and a Pareto
-plot (accuracy vs tokens per forward).
+plot (accuracy vs tokens per forward). --temperature > 0 (with --top-k, --top-p,
+--sample-seed) samples instead: problem i gets the seed sample_seed + i at every
+setting, so a run is reproducible.
 
   python -m mars_jax.evaluate --model RUN_DIR_OR_HF_DIR --task synthetic \
       --taus 1.0,0.95,0.9 --windows 1,4,5 --metrics probability,margin --out eval/
@@ -29,6 +31,7 @@ from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.generate import prompt_seeds
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
 
@@ -124,19 +127,24 @@ def describe_settings(settings: dict, origins: dict) -> str:
 
 def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, window: int = 1,
           metric: Metric = "probability", batch_size: int = 64, max_new_tokens: int = 64,
+          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
           progress: Any = None) -> dict:
   """Decodes every problem; -> {accuracy, tokens_per_forward, tokens, forwards, n,
   outputs}. tokens_per_forward = generated tokens / per-sample forwards (prefill
-  included), so AR decoding gives exactly 1.0."""
+  included), so AR decoding gives exactly 1.0. temperature (0: greedy), top_k, top_p:
+  sampling as `sampling.generate`; problem i samples with the seed seed + i."""
   prompts = [chat_prompt_ids(model.tokenizer, [{"role": "user", "content": p["question"]}])
              for p in problems]
+  seeds = prompt_seeds(seed, len(prompts))
   correct = tokens = forwards = 0
   outputs = []
   for i in range(0, len(prompts), batch_size):
     res = sampling.generate(model.config, model.params, prompts[i:i + batch_size],
                             max_new_tokens=max_new_tokens, mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=tau, window=window,
-                            metric=metric, runtime=model.runtime, mesh=model.mesh)
+                            metric=metric, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seeds[i:i + batch_size], runtime=model.runtime,
+                            mesh=model.mesh)
     for j, toks in enumerate(res.tokens):
       text = model.tokenizer.decode(toks, skip_special_tokens=True)
       ok = synthetic.is_correct(text, problems[i + j]["answer"])
@@ -152,8 +160,9 @@ def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, win
 
 def sweep(model: LoadedModel, problems: Sequence[dict], *, taus: Sequence[float],
           windows: Sequence[int], metrics: Sequence[str], batch_size: int = 64,
-          max_new_tokens: int = 64, show_progress: bool = True) -> list[dict]:
-  """`score` for every (metric, window, tau); window 1 is run once (it ignores tau)."""
+          max_new_tokens: int = 64, show_progress: bool = True, **sample) -> list[dict]:
+  """`score` for every (metric, window, tau); window 1 is run once (it ignores tau).
+  sample: `score`'s temperature, top_k, top_p and seed, the same for every setting."""
   settings = []
   for metric in metrics:
     for w in windows:
@@ -166,7 +175,7 @@ def sweep(model: LoadedModel, problems: Sequence[dict], *, taus: Sequence[float]
             disable=not show_progress) as bar:
     for metric, w, tau in settings:
       r = score(model, problems, tau=tau, window=w, metric=metric, batch_size=batch_size,
-                max_new_tokens=max_new_tokens, progress=bar)
+                max_new_tokens=max_new_tokens, progress=bar, **sample)
       rows.append({"metric": metric, "window": w, "tau": tau,
                    **{k: v for k, v in r.items() if k != "outputs"}})
   return rows
@@ -234,6 +243,13 @@ def main(argv=None) -> None:
                  help="gates: probability, margin, entropy")
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
+  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="sample within the top-p probability mass (1.0: off)")
+  p.add_argument("--sample-seed", type=int, default=0,
+                 help="sampling seed: problem i gets sample_seed + i, at every setting "
+                      "(--seed is the synthetic split's)")
   p.add_argument("--out", default=None, help="directory for results.json and pareto.png")
   p.add_argument("--mesh", default=None,
                  help="decode on a mesh of the devices: AXIS=SIZE pairs over data, fsdp, "
@@ -274,16 +290,18 @@ def run(args) -> None:
   model = load_model(args.model, mesh=decode_mesh.mesh_from_flag(args.mesh))
   windows = [int(w) for w in args.windows.split(",")]
   warn_untrained_windows(args.model, windows)
+  sample = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "seed": args.sample_seed}
   rows = sweep(model, problems, taus=_floats(args.taus),
                windows=windows,
                metrics=args.metrics.split(","), batch_size=args.batch_size,
-               max_new_tokens=args.max_new_tokens)
+               max_new_tokens=args.max_new_tokens, **sample)
   print(format_table(rows))
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
       json.dump({"model": args.model, "task": args.task, "synthetic": task_info,
-                 "rows": rows}, f, indent=2)
+                 "sampling": sample, "rows": rows}, f, indent=2)
     series: dict[str, list] = {}
     for r in rows:
       series.setdefault(f"{r['metric']} W={r['window']}", []).append(r)

@@ -1,8 +1,11 @@
-"""`python -m mars_jax.generate`: greedy AR or MARS decoding from the command line.
+"""`python -m mars_jax.generate`: AR or MARS decoding from the command line, greedy or
+sampled.
 
   python -m mars_jax.generate --model HF_DIR --prompt "What is 2+3?"
   python -m mars_jax.generate --model RUN_DIR[/STEP] --prompts prompts.jsonl \\
       --window 5 --tau 0.95 --metric margin
+  python -m mars_jax.generate --model HF_DIR --prompt "..." --temperature 0.7 --top-p 0.9 \\
+      --seed 1 --stop "Question:"
   python -m mars_jax.generate --model HF_DIR --prompt "..." --mesh tensor=8
 
 --model is a Hugging Face directory (config.json + safetensors + tokenizer) or a
@@ -11,6 +14,10 @@ tokenizer's chat template as one user turn (--system adds a system turn;
 --raw feeds the text as is). A JSONL line is {"prompt": "..."} or
 {"messages": [{"role": ..., "content": ...}, ...]}; a trailing assistant turn is
 dropped, so chat data files work as prompt files.
+
+Each prompt prints as a `=== [i] N tokens, F forwards, X tokens/forward, finish: R`
+line (R: eos, stop or length) and its text (special tokens skipped, cut before the
+first --stop string); a `---` line sums up the run.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from mars_jax.choices import Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
 from mars_jax.models.qwen2 import Runtime
+
+SEED_RANGE = 1 << 32  # seeds are uint32
 
 
 def read_prompts(path: str) -> list[list[dict]]:
@@ -55,6 +64,33 @@ def encode(tokenizer, chats: Sequence[list[dict]], *, raw: bool) -> list[list[in
   return [chat_prompt_ids(tokenizer, c) for c in chats]
 
 
+def check_seed(seed: int) -> int:
+  """`seed` when it is a sampling seed, an int in [0, 2**32); raises ValueError else."""
+  if not 0 <= seed < SEED_RANGE:
+    raise ValueError(f"seed={seed}; it must be in [0, 2**32).")
+  return seed
+
+
+def prompt_seeds(seed: int, n: int) -> list[int]:
+  """The sampling seeds of n prompts (or requests): seed + i mod 2**32 for the i-th, so
+  repeated prompts sample differently and a run is reproducible from `seed` alone."""
+  check_seed(seed)
+  return [(seed + i) % SEED_RANGE for i in range(n)]
+
+
+def budgets(max_positions: int, prompts: Sequence[Sequence[int]],
+            max_new_tokens: int | None) -> list[int]:
+  """Per prompt, its max_new_tokens: the flag's value, or (None) as many as fit the
+  context, max_positions - len(prompt)."""
+  if max_new_tokens is not None:
+    return [max_new_tokens] * len(prompts)
+  for i, p in enumerate(prompts):
+    if len(p) >= max_positions:
+      raise ValueError(f"prompt {i}: {len(p)} tokens leave no room to generate in the "
+                       f"model's max_position_embeddings ({max_positions}); shorten it.")
+  return [max_positions - len(p) for p in prompts]
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.generate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +108,19 @@ def main(argv=None) -> None:
                  help="gated: MASK proposals committed under the gate; lossless: drafts "
                       "verified by the next forward, output equal to greedy AR")
   p.add_argument("--metric", choices=gates.METRICS, default="probability")
-  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--max-new-tokens", type=int, default=None,
+                 help="tokens to generate per prompt (default: as many as fit the context, "
+                      "max_position_embeddings - prompt length)")
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
+  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="sample within the top-p probability mass (1.0: off)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="sampling seed: prompt i of the file gets seed + i, so repeated "
+                      "prompts sample differently; the same seed gives the same text")
+  p.add_argument("--stop", action="append", default=None, metavar="STRING",
+                 help="a stop string (repeatable): a sample ends at the token that "
+                      "completes one, and its text is cut before it")
   p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="weights and compute dtype (default: float32 for an HF directory, "
@@ -102,25 +150,31 @@ def run(args) -> None:
   else:
     chats = read_prompts(args.prompts)
   prompts = encode(tokenizer, chats, raw=args.raw)
+  budget = budgets(config.max_position_embeddings, prompts, args.max_new_tokens)
+  seeds = prompt_seeds(args.seed, len(prompts))
   tokens = forwards = 0
   start = time.perf_counter()
   for b in range(0, len(prompts), args.batch_size):
-    out = sampling.generate(config, params, prompts[b:b + args.batch_size],
-                            max_new_tokens=args.max_new_tokens,
+    rows = slice(b, b + args.batch_size)
+    out = sampling.generate(config, params, prompts[rows], max_new_tokens=budget[rows],
                             mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=args.tau,
-                            window=window, mode=args.mode,
-                            metric=args.metric, runtime=model.runtime, mesh=model.mesh)
+                            window=window, mode=args.mode, metric=args.metric,
+                            temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=seeds[rows], stop=args.stop,
+                            tokenizer=tokenizer, runtime=model.runtime, mesh=model.mesh)
     for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
       print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "
-            f"{len(toks) / fwd:.2f} tokens/forward")
-      print(tokenizer.decode(toks, skip_special_tokens=True))
+            f"{len(toks) / fwd:.2f} tokens/forward, finish: {out.finish_reasons[i]}")
+      print(out.texts[i])
     tokens += sum(out.num_tokens)
     forwards += sum(out.num_forwards)
   seconds = time.perf_counter() - start
   print(f"--- {len(prompts)} prompts, {tokens} tokens, {tokens / max(forwards, 1):.3f} "
         f"tokens/forward, {tokens / seconds:.1f} tokens/s (compilation included); "
-        f"window={args.window} mode={args.mode} tau={args.tau} metric={args.metric}")
+        f"window={args.window} mode={args.mode} tau={args.tau} metric={args.metric} "
+        f"temperature={args.temperature} top_k={args.top_k} top_p={args.top_p} "
+        f"seed={args.seed}")
 
 
 if __name__ == "__main__":

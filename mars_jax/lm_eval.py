@@ -13,8 +13,10 @@ to 1 unless they are set, so nothing is looked up on the Hub (docs/lm_eval.md).
 
 Requests:
   generate_until          `mars_jax.sampling.generate` (AR, MARS at tau, or lossless),
-                          batched; the text is cut at the first `until` string, the
-                          tokens at the first EOS; `max_gen_toks` is the token budget.
+                          batched; greedy, or sampled when the request asks
+                          (`do_sample`, `temperature`, `top_k`, `top_p`); decoding ends
+                          at an EOS, at an `until` string (the text is cut before it)
+                          or after `max_gen_toks` tokens.
   loglikelihood(_rolling) one uncached forward (`qwen2.forward_hidden`, then the
                           unembedding of the scored positions only) per right-padded
                           batch, with explicit lengths, positions and a causal mask.
@@ -25,9 +27,11 @@ lossless), batch_size, dtype (float32 | bfloat16 | float16: weights and compute)
 attention_impl, max_length (default: the model's max_position_embeddings),
 max_gen_toks (default budget when a task sets none: 256), mesh (decode on a mesh
 of the devices, AXIS=SIZE pairs joined by "+" since commas separate model_args:
-mesh=data=2+tensor=4, or mesh=tensor=8; see docs/serving.md).
+mesh=data=2+tensor=4, or mesh=tensor=8; see docs/serving.md), seed (sampling: the
+i-th request of a generate_until call samples with seed + i; default 0).
 
-Tokens per forward: generated tokens (EOS included) / forwards of the samples,
+Tokens per forward: generated tokens (up to the EOS or the token that completed a
+stop string, included; nothing decoded past it) / forwards of the samples,
 accumulated per task over the generate_until requests, and added to each task's
 results as the metric `tokens_per_forward` (in the printed table and the results
 JSON; groups get the token-weighted value of their tasks). `MarsJaxLM.get_model_info`
@@ -70,6 +74,7 @@ from mars_jax.decoding import gates  # noqa: E402
 from mars_jax.choices import Metric, Mode  # noqa: E402
 from mars_jax.decoding import batching  # noqa: E402
 from mars_jax.decoding import mesh as decode_mesh  # noqa: E402
+from mars_jax.generate import check_seed, prompt_seeds  # noqa: E402
 from mars_jax.loading import load_model, warn_untrained_windows  # noqa: E402
 from mars_jax.models import qwen2  # noqa: E402
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime  # noqa: E402
@@ -82,19 +87,16 @@ MIN_LENGTH_BUCKET = 16
 CE_CHUNK = 256
 
 
-def cut_at_stop(text: str, until: Sequence[str]) -> str:
-  """`text` up to the first occurrence of any non-empty stop string."""
-  ends = [i for i in (text.find(s) for s in until if s) if i >= 0]
-  return text[:min(ends)] if ends else text
-
-
-def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
-  """`tokens` before the first EOS id."""
-  eos = set(eos_ids)
-  for i, t in enumerate(tokens):
-    if t in eos:
-      return list(tokens[:i])
-  return list(tokens)
+def sampling_kwargs(gen_kwargs: dict) -> dict:
+  """A request's normalized generation kwargs -> `sampling.generate`'s temperature, top_k
+  and top_p. do_sample false (or temperature 0) is greedy; do_sample true samples at
+  `temperature` (1.0 when the request gives none, as transformers does), within
+  `top_k` (0 or none: off) and `top_p` (1.0 or none: off). Other kwargs are ignored."""
+  if not gen_kwargs.get("do_sample"):
+    return {"temperature": 0.0}
+  temperature, top_k, top_p = (gen_kwargs.get(k) for k in ("temperature", "top_k", "top_p"))
+  return {"temperature": 1.0 if temperature is None else float(temperature),
+          "top_k": int(top_k or 0), "top_p": 1.0 if top_p is None else float(top_p)}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "span"))
@@ -128,7 +130,7 @@ class MarsJaxLM(TemplateLM):
                metric: Metric = "probability", mode: Mode = "gated", batch_size: int | str = 8,
                dtype: str | None = None, attention_impl: str | None = None,
                max_length: int | None = None, max_gen_toks: int = 256,
-               mesh: str | None = None, device: str | None = None,
+               mesh: str | None = None, seed: int = 0, device: str | None = None,
                max_batch_size: int | None = None) -> None:
     super().__init__()
     del device, max_batch_size  # JAX places the model; batches are fixed-size
@@ -159,8 +161,8 @@ class MarsJaxLM(TemplateLM):
     self.tokenizer = self.model.tokenizer
     self._max_length = int(max_length or self.model.config.max_position_embeddings)
     self._max_gen_toks = int(max_gen_toks)
+    self.seed = check_seed(int(seed))
     self.stats: dict[str, dict[str, int]] = {}
-    self._warned_sampling = False
 
   # -- construction from the harness's model_args ---------------------------------------
 
@@ -234,7 +236,8 @@ class MarsJaxLM(TemplateLM):
     per task, the generated tokens and forwards of its generate_until requests."""
     return {MODEL_NAME: {
         "pretrained": self.pretrained, "window": self.window, "tau": self.tau,
-        "metric": self.metric, "mode": self.mode, "runtime": self.model.runtime.to_dict(),
+        "metric": self.metric, "mode": self.mode, "seed": self.seed,
+        "runtime": self.model.runtime.to_dict(),
         "max_length": self.max_length,
         "tasks": {task: {**s, METRIC: s["generated_tokens"] / max(s["forwards"], 1)}
                   for task, s in self.stats.items()}}}
@@ -242,21 +245,20 @@ class MarsJaxLM(TemplateLM):
   # -- generate_until -------------------------------------------------------------------
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Greedy decoding through the MARS sampler, batched per generation settings."""
+    """Decoding through the MARS sampler, batched per generation settings: greedy or
+    sampled (`sampling_kwargs`; the i-th request with the seed self.seed + i), ending
+    at an EOS, an `until` string or `max_gen_toks`; -> the texts, cut before the stop."""
     out: list[str | None] = [None] * len(requests)
+    seeds = prompt_seeds(self.seed, len(requests))
     groups: dict[str, list[int]] = {}
     for i, req in enumerate(requests):
       groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
     bar = tqdm(total=len(requests), desc="generate_until (mars_jax)", disable=disable_tqdm)
     for members in groups.values():
       kwargs = normalize_gen_kwargs(requests[members[0]].args[1], self.max_gen_toks)
-      until = kwargs.pop("until", None) or []
-      until = [until] if isinstance(until, str) else list(until)
-      budget = int(kwargs.pop("max_gen_toks"))
-      if (kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0) and (
-          not self._warned_sampling):
-        log.warning("mars_jax decodes greedily: ignoring do_sample/temperature %s.", kwargs)
-        self._warned_sampling = True
+      until = [s for s in kwargs["until"] if s]
+      budget = int(kwargs["max_gen_toks"])
+      sample = sampling_kwargs(kwargs)
       max_ctx = self.max_length - budget
       if max_ctx < 1:
         raise ValueError(f"max_gen_toks {budget} leaves no room for a prompt in max_length "
@@ -276,18 +278,17 @@ class MarsJaxLM(TemplateLM):
             self.model.config, self.model.params, [prompts[i] for i in batch],
             max_new_tokens=budget, mask_token_id=self.model.mask_token_id,
             eos_token_ids=self.model.eos_token_ids, tau=self.tau, window=self.window,
-            metric=self.metric, mode=self.mode, runtime=self.model.runtime,
-            mesh=self.model.mesh)
-        for i, toks, fwd in zip(batch, res.tokens, res.num_forwards):
-          text = self.tokenizer.decode(cut_at_eos(toks, self.model.eos_token_ids),
-                                       skip_special_tokens=True)
-          out[i] = cut_at_stop(text, until)
+            metric=self.metric, mode=self.mode, seed=[seeds[i] for i in batch],
+            stop=until, tokenizer=self.tokenizer, runtime=self.model.runtime,
+            mesh=self.model.mesh, **sample)
+        for i, text, toks, fwd in zip(batch, res.texts, res.tokens, res.num_forwards):
+          out[i] = text
           s = self.stats.setdefault(requests[i].task_name or "", {
               "generated_tokens": 0, "forwards": 0, "requests": 0})
           s["generated_tokens"] += len(toks)
           s["forwards"] += int(fwd)
           s["requests"] += 1
-          self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+          self.cache_hook.add_partial("generate_until", requests[i].args, text)
         bar.update(len(batch))
     bar.close()
     return out  # type: ignore[return-value]

@@ -1,8 +1,9 @@
 """The lm-evaluation-harness backend (`mars_jax.lm_eval`) on a tiny checkpoint with a real
 BPE ChatML tokenizer (tests/user_path_fixtures.py), local JSONL tasks, no network.
 
-Generation through the harness: lossless MARS gives AR's responses sample for sample,
-`until` cuts the text, EOS and `max_gen_toks` end decoding. Log-likelihoods (multiple
+Generation through the harness: lossless MARS gives AR's responses sample for sample;
+an `until` string, EOS and `max_gen_toks` end decoding; `do_sample` samples, the same
+text for the same seeds.  Log-likelihoods (multiple
 choice through the harness, plain and rolling directly) equal transformers' float32
 computation on the same weights within 1e-4. The CLI wrapper prints and saves tokens
 per forward with the task's metrics.
@@ -20,6 +21,7 @@ import user_path_fixtures as fx
 
 import lm_eval
 from lm_eval.api.instance import Instance
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -97,39 +99,75 @@ def test_chat_template_tokens_are_the_samplers_prompt(lm):
   assert lm.tokenizer_name and lm.chat_template(True)
 
 
-def test_until_eos_and_max_gen_toks(env, lm):
-  """The task's prompts, so the sampler runs at the AR harness run's shapes (compiled)."""
-  ctxs = [lm.apply_chat_template([{"role": "user", "content": p["question"]}])
+def _contexts(lm, env):
+  return [lm.apply_chat_template([{"role": "user", "content": p["question"]}])
           for p in env["test"]]
 
-  def run(gen_kwargs):
-    lm.stats.clear()
-    return lm.generate_until([_instance("generate_until", (c, dict(gen_kwargs)))
-                              for c in ctxs], disable_tqdm=True)
 
-  free = run({"max_gen_toks": 12})
-  assert lm.stats["t"] == {"generated_tokens": 60, "forwards": 60, "requests": 5}
-  assert len(free[0]) >= 4
-  stop = free[0][2:4]
-  cut = run({"until": [stop, "zzz"], "max_gen_toks": 12})
-  assert cut[0] == free[0][:free[0].index(stop)] != free[0]
-  assert cut[1:] == [f[:f.index(stop)] if stop in f else f for f in free[1:]]
-  # An EOS id that is prompt 0's first generated token: its decoding ends there.
+def _generate(lm, ctxs, gen_kwargs):
+  lm.stats.clear()
+  return lm.generate_until([_instance("generate_until", (c, dict(gen_kwargs))) for c in ctxs],
+                           disable_tqdm=True)
+
+
+def _before(tokens, ids):
+  """`tokens` before the first of `ids`."""
+  return next((tokens[:k] for k, t in enumerate(tokens) if t in ids), tokens)
+
+
+def test_until_eos_and_max_gen_toks(env, lm):
+  """The task's prompts, so the sampler runs at the AR harness run's shapes (compiled)."""
+  ctxs = _contexts(lm, env)
   res = mle.sampling.generate(lm.model.config, lm.model.params,
                               [lm.tok_encode(c) for c in ctxs], max_new_tokens=12,
                               mask_token_id=lm.model.mask_token_id,
                               eos_token_ids=lm.model.eos_token_ids)
+  free = _generate(lm, ctxs, {"max_gen_toks": 12})
+  assert lm.stats["t"] == {"generated_tokens": 60, "forwards": 60, "requests": 5}
+  assert len(free[0]) >= 4
+  stop = free[0][2:4]
+  cut = _generate(lm, ctxs, {"until": [stop, "zzz"], "max_gen_toks": 12})
+  assert cut[0] == free[0][:free[0].index(stop)] != free[0]
+  assert cut[1:] == [f[:f.index(stop)] if stop in f else f for f in free[1:]]
+  # Decoding ended at the token that completed the stop: only the tokens up to it count.
+  kept = [next((k for k in range(1, len(t) + 1)
+                if stop in lm.tokenizer.decode(t[:k], skip_special_tokens=True)), len(t))
+          for t in res.tokens]
+  assert sum(kept) < 60
+  assert lm.stats["t"] == {"generated_tokens": sum(kept), "forwards": sum(kept),
+                           "requests": 5}
+  # An EOS id that is prompt 0's first generated token: its decoding ends there.
   eos = res.tokens[0][0]
   saved = lm.model
   lm.model = dataclasses.replace(saved, eos_token_ids=(eos,))
   try:
-    out = run({"max_gen_toks": 12})
+    out = _generate(lm, ctxs, {"max_gen_toks": 12})
   finally:
     lm.model = saved
-  kept = [mle.cut_at_eos(t, [eos]) for t in res.tokens]
+  kept = [_before(t, [eos]) for t in res.tokens]
   assert out == [lm.tokenizer.decode(k, skip_special_tokens=True) for k in kept]
   assert out[0] == "" and kept[0] == []
   assert lm.stats["t"]["generated_tokens"] == sum(min(len(k) + 1, 12) for k in kept)
+
+
+def test_do_sample_is_reproducible_per_request_and_seed(env, lm):
+  """Sampled requests: the same texts on a second call, different ones for a repeated
+  context (its own seed) and for another `seed=` in model_args; top_k=1 and
+  do_sample=False are greedy; no temperature samples at 1.0."""
+  ctxs = _contexts(lm, env) + _contexts(lm, env)[:1]   # request 5 repeats request 0
+  greedy = _generate(lm, ctxs, {"max_gen_toks": 12})
+  hot = {"do_sample": True, "temperature": 1.0, "max_gen_toks": 12}
+  sampled = _generate(lm, ctxs, hot)
+  assert _generate(lm, ctxs, hot) == sampled
+  assert sampled != greedy and sampled[5] != sampled[0] and greedy[5] == greedy[0]
+  assert _generate(lm, ctxs, {"do_sample": True, "max_gen_toks": 12}) == sampled
+  assert _generate(lm, ctxs, {**hot, "top_k": 1}) == greedy
+  assert _generate(lm, ctxs, {**hot, "do_sample": False}) == greedy
+  other = mle.MarsJaxLM.create_from_arg_string(
+      f"pretrained={env['hf']},window=1,batch_size=8,seed=7")
+  assert other.get_model_info()["mars_jax"]["seed"] == 7
+  reseeded = _generate(other, ctxs, hot)
+  assert reseeded != sampled and reseeded == _generate(other, ctxs, hot)
 
 
 def test_multiple_choice_loglikelihoods_equal_transformers(env, torch_model):
@@ -213,11 +251,14 @@ def test_cli_prints_and_saves_tokens_per_forward(env, capsys, monkeypatch):
   assert saved["config"]["mars_jax"]["tasks"][GEN]["requests"] == 2
 
 
-def test_cut_at_stop_and_eos():
-  assert mle.cut_at_stop("a Q: b\n\nc", ["\n\n", "Q:"]) == "a "
-  assert mle.cut_at_stop("abc", ["", "x"]) == "abc"
-  assert mle.cut_at_eos([5, 6, 2, 7], [2, 9]) == [5, 6]
-  assert mle.cut_at_eos([5, 6], [2]) == [5, 6]
+def test_sampling_kwargs_of_normalized_requests():
+  def of(gen_kwargs):
+    return mle.sampling_kwargs(normalize_gen_kwargs(gen_kwargs))
+  assert of({}) == of({"temperature": 0.0}) == {"temperature": 0.0}
+  assert of({"do_sample": False, "temperature": 0.7, "top_k": 5}) == {"temperature": 0.0}
+  assert of({"do_sample": True}) == {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+  assert of({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "seed": 1}) == {
+      "temperature": 0.6, "top_k": 20, "top_p": 0.9}
 
 
 def test_shipped_example_tasks_load_offline(monkeypatch):

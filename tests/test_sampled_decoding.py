@@ -1,0 +1,283 @@
+"""Sampling: the warps equal a NumPy reference, AR sampling equals a naive recompute-
+everything sampler, lossless sampling is AR sampling token for token at every W (and in
+distribution, by a test that rejects the always-accept rule), a prompt's tokens depend on
+its seed only, and stops end decoding inside the loop.
+
+The model is test_sampling's: a random tiny Qwen2 (vocabulary 128) with its output head
+scaled up, so its distributions are peaked but not one-hot.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sampling import MASK_ID, full_logits, model  # noqa: F401  (the fixture)
+
+from mars_jax import sampling
+from mars_jax.decoding import draws, stops
+from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
+
+PROMPTS = [[11, 52, 3], [7, 90, 33, 64, 25, 18, 41, 9, 100], [60, 61], [5, 77, 12, 98, 43]]
+SEEDS = [3, 141, 59, 26]
+KW = dict(max_new_tokens=12, mask_token_id=MASK_ID, eos_token_ids=[2])
+
+
+def cut_np(scaled, top_k, top_p):
+  """One distribution's top-k then top-p cut, token by token in float64: -inf outside."""
+  vocab = len(scaled)
+  order = np.argsort(-scaled, kind="stable")
+  kth = scaled[order[min(top_k, vocab) - 1]] if 0 < top_k < vocab else -np.inf
+  keep = scaled >= kth
+  if top_p < 1.0:
+    p = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    p /= p.sum()
+    mass, last = 0.0, None
+    for i in order:
+      if not keep[i] or mass >= top_p:
+        break
+      mass, last = mass + p[i], scaled[i]
+    keep &= scaled >= last
+  return np.where(keep, scaled, -np.inf)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9),
+                                         (7, 0.6), (200, 0.3), (3, 0.999)])
+def test_cut_equals_numpy_reference(top_k, top_p):
+  rng = np.random.default_rng(top_k + int(100 * top_p))
+  logits = rng.normal(size=(3, 4, 50)).astype(np.float32) * 2
+  logits[0, 0, :6] = logits[0, 0, 0]               # ties at the top
+  logits[1, 2, 10:20] = np.sort(logits[1, 2])[-4]  # ties around the k-th largest
+  got = np.asarray(draws.cut(jnp.asarray(logits), jnp.full((3,), top_k, jnp.int32),
+                             jnp.full((3,), top_p, jnp.float32)))
+  want = np.stack([[cut_np(l.astype(np.float64), top_k, top_p) for l in row] for row in logits])
+  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+  np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
+
+
+def chi2_threshold(df: int, z: float = 3.719) -> float:
+  """The chi-square quantile for a one-sided normal z (3.719: p = 1e-4), Wilson-Hilferty."""
+  return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_goodness(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0):
+  """Pearson's statistic of counts against probabilities, cells expected below
+  `min_expected` pooled into one -> (statistic, threshold at p = 1e-4)."""
+  expected = probs * counts.sum()
+  small = expected < min_expected
+  obs = np.append(counts[~small], counts[small].sum())
+  exp = np.append(expected[~small], expected[small].sum())
+  stat = float(np.sum((obs - exp) ** 2 / np.maximum(exp, 1e-12)))
+  return stat, chi2_threshold(len(obs) - 1)
+
+
+def test_draws_follow_the_warped_distribution():
+  """20,000 seeds at one position: the tokens drawn are distributed as softmax of the cut."""
+  n, vocab = 20000, 12
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(vocab,)) * 1.5, jnp.float32)
+  temperature, top_k, top_p = 0.7, 8, 0.95
+  tokens = draws.choose(jnp.broadcast_to(logits, (n, 1, vocab)), jnp.full((n, 1), 7, jnp.int32),
+                        jnp.full((n,), temperature), jnp.full((n,), top_k, jnp.int32),
+                        jnp.full((n,), top_p), jnp.arange(n, dtype=jnp.uint32))
+  kept = cut_np(np.asarray(logits, np.float64) / temperature, top_k, top_p)
+  probs = np.exp(kept - kept.max())
+  probs /= probs.sum()
+  counts = np.bincount(np.asarray(tokens)[:, 0], minlength=vocab)
+  assert counts[probs == 0].sum() == 0
+  stat, threshold = chi2_goodness(counts, probs)
+  assert stat < threshold, (stat, threshold)
+
+
+def naive_sample(config, params, prompt, max_new, eos, seed, temperature, top_k, top_p):
+  """AR sampling recomputed from scratch every token: the uncached forward, the NumPy cut,
+  and the noise the sampler defines (`draws.noise`, keyed by seed and position)."""
+  out = []
+  while len(out) < max_new and not (out and out[-1] in eos):
+    position = len(prompt) + len(out)
+    logits = full_logits(config, params, prompt + out)[-1].astype(np.float64)
+    g = np.asarray(draws.noise(jnp.asarray([seed], jnp.uint32),
+                               jnp.asarray([[position]], jnp.int32), len(logits)))[0, 0]
+    out.append(int(np.argmax(cut_np(logits / temperature, top_k, top_p) + g)))
+  return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 6, 0.9)])
+def test_ar_sampling_equals_naive_sampler(model, temperature, top_k, top_p):
+  config, params = model
+  out = sampling.generate(config, params, PROMPTS, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=SEEDS, **KW)
+  for prompt, seed, tokens in zip(PROMPTS, SEEDS, out.tokens):
+    assert tokens == naive_sample(config, params, prompt, KW["max_new_tokens"], [2], seed,
+                                  temperature, top_k, top_p)
+  assert out.tokens != sampling.generate(config, params, PROMPTS, **KW).tokens
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
+def test_lossless_and_tau_one_are_ar_sampling(model, top_k, top_p):
+  """Lossless at W = 2, 4, 5 (fixed, in rounds of 3 steps, and the load-aware window) and
+  gated at tau 1: the tokens of AR sampling with the same seeds."""
+  config, params = model
+  kw = dict(KW, temperature=0.8, top_k=top_k, top_p=top_p, seed=SEEDS)
+  ar = sampling.generate(config, params, PROMPTS, **kw).tokens
+  for window in (2, 4, 5):
+    out = sampling.generate(config, params, PROMPTS, window=window, mode="lossless", **kw)
+    assert out.tokens == ar, window
+    assert out.tokens_per_forward > 1.0
+  rounds = sampling.generate(config, params, PROMPTS, mode="lossless",
+                             policy=FixedWindow(4, round_steps=3), **kw)
+  assert rounds.tokens == ar
+  auto = sampling.generate(config, params, PROMPTS, mode="lossless",
+                           policy=WindowPolicy((2, 5), round_steps=2), **kw)
+  assert auto.tokens == ar
+  assert sampling.generate(config, params, PROMPTS, window=5, tau=1.0, **kw).tokens == ar
+
+
+def test_a_prompt_samples_by_its_seed_alone(model):
+  """Alone, in another order, in another batch bucket, next to greedy rows: same tokens."""
+  config, params = model
+  kw = dict(KW, temperature=0.9, top_p=0.95)
+  batch = sampling.generate(config, params, PROMPTS, seed=SEEDS, **kw).tokens
+  alone = [sampling.generate(config, params, [p], seed=s, **kw).tokens[0]
+           for p, s in zip(PROMPTS, SEEDS)]
+  assert alone == batch
+  order = [2, 0, 3, 1]
+  flipped = sampling.generate(config, params, [PROMPTS[i] for i in order],
+                              seed=[SEEDS[i] for i in order], **kw).tokens
+  assert flipped == [batch[i] for i in order]
+  wide = sampling.generate(config, params, PROMPTS * 3, seed=SEEDS + [7] * 8, **kw).tokens
+  assert wide[:4] == batch
+  greedy = sampling.generate(config, params, PROMPTS, **KW).tokens
+  mixed = sampling.generate(config, params, PROMPTS, seed=SEEDS,
+                            **{**kw, "temperature": [0.9, 0.0, 0.9, 0.0]}).tokens
+  assert mixed == [batch[0], greedy[1], batch[2], greedy[3]]
+  assert sampling.generate(config, params, PROMPTS, seed=[s + 1 for s in SEEDS],
+                           **kw).tokens != batch
+
+
+SAMPLES = 1 << 15
+
+
+def first_tokens(config, params, *, window, mode, tau, seeds, count=3):
+  """The first `count` tokens of SAMPLES samples of one prompt -> int array [SAMPLES]
+  (one cell id per joint outcome)."""
+  out = sampling.generate(config, params, [[60, 61]] * len(seeds), max_new_tokens=count,
+                          mask_token_id=MASK_ID, eos_token_ids=[], window=window, mode=mode,
+                          tau=tau, temperature=1.0, top_p=0.9, seed=seeds)
+  tokens = np.asarray(out.tokens)
+  return (tokens[:, 0] * config.vocab_size + tokens[:, 1]) * config.vocab_size + tokens[:, 2]
+
+
+def two_sample_chi2(a: np.ndarray, b: np.ndarray, min_count: int = 10):
+  """Equal-size samples of cell ids: sum (A - B)^2 / (A + B) over cells, those with
+  A + B < min_count pooled -> (statistic, threshold at p = 1e-4, cells)."""
+  cells, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+  ca = np.bincount(inverse[:len(a)], minlength=len(cells))
+  cb = np.bincount(inverse[len(a):], minlength=len(cells))
+  small = ca + cb < min_count
+  ca = np.append(ca[~small], ca[small].sum())
+  cb = np.append(cb[~small], cb[small].sum())
+  stat = float(np.sum((ca - cb) ** 2 / np.maximum(ca + cb, 1)))
+  return stat, chi2_threshold(len(ca) - 1), len(ca)
+
+
+def test_lossless_sampling_keeps_the_ar_distribution(model):
+  """The joint law of the first 3 tokens (temperature 1, top-p 0.9): AR sampling on seeds
+  [0, N) against lossless sampling at W = 2, 4, 5 on seeds [N, 2N), N = 32,768, by a
+  two-sample chi-square at p = 1e-4; the same test rejects accepting every MASK proposal
+  (gated, tau 0)."""
+  config, params = model
+  ar = first_tokens(config, params, window=1, mode="gated", tau=1.0,
+                    seeds=list(range(SAMPLES)))
+  others = list(range(SAMPLES, 2 * SAMPLES))
+  for window in (2, 4, 5):
+    lossless = first_tokens(config, params, window=window, mode="lossless", tau=1.0,
+                            seeds=others)
+    stat, threshold, cells = two_sample_chi2(ar, lossless)
+    print(f"lossless W={window}: chi2 {stat:.1f} < {threshold:.1f} ({cells} cells)")
+    assert stat < threshold
+  wrong = first_tokens(config, params, window=4, mode="gated", tau=0.0, seeds=others)
+  stat, threshold, cells = two_sample_chi2(ar, wrong)
+  print(f"always accept W=4: chi2 {stat:.1f} > {threshold:.1f} ({cells} cells)")
+  assert stat > threshold
+
+
+def test_stop_ids_end_decoding_and_are_not_counted(model):
+  config, params = model
+  kw = dict(KW, temperature=0.8, seed=SEEDS, max_new_tokens=16)
+  full = sampling.generate(config, params, PROMPTS, **kw)
+  stop_id = full.tokens[0][5]
+  k = full.tokens[0].index(stop_id) + 1
+  for window, mode in ((1, "gated"), (4, "lossless")):
+    out = sampling.generate(config, params, PROMPTS, stop_token_ids=[stop_id], window=window,
+                            mode=mode, **kw)
+    assert out.tokens[0] == full.tokens[0][:k]
+    assert out.finish_reasons[0] == "stop"
+    for tokens, whole, reason in zip(out.tokens, full.tokens, out.finish_reasons):
+      assert tokens == whole[:len(tokens)]
+      assert reason == ("stop" if stop_id in whole else "length")
+  assert full.finish_reasons == ["length"] * 4
+
+
+def test_greedy_finish_reasons(model):
+  config, params = model
+  greedy = sampling.generate(config, params, PROMPTS, **{**KW, "max_new_tokens": 30})
+  eos = greedy.tokens[1][3]
+  out = sampling.generate(config, params, PROMPTS,
+                          **{**KW, "max_new_tokens": 30, "eos_token_ids": [eos]})
+  assert out.finish_reasons[1] == "eos" and out.tokens[1] == greedy.tokens[1][:4]
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory):
+  """A tiny random Qwen2 with the real Qwen2.5 vocabulary and tokenizer."""
+  from qwen_tokenizers import make_qwen_checkpoint
+
+  from mars_jax import loading
+  path = make_qwen_checkpoint(tmp_path_factory.mktemp("qwen") / "hf", "qwen2.5")
+  return loading.load_model(path)
+
+
+def spanning_stop(tokenizer, tokens):
+  """A 4-character stop string made of the end of one token's text and the start of the
+  next one's -> (stop, tokens whose text first holds it)."""
+  for i in range(1, len(tokens) - 1):
+    head = stops.decode(tokenizer, tokens[:i])
+    whole = stops.decode(tokenizer, tokens[:i + 1])
+    if (len(head) >= 2 and len(whole) >= len(head) + 2 and whole.startswith(head)
+        and "\ufffd" not in whole and head[-2:].strip() and whole[len(head):][:2].strip()):
+      stop = head[-2:] + whole[len(head):][:2]
+      if stop not in head:
+        return stop, stops.first_stop(tokenizer, tokens, [stop])
+  raise AssertionError("no two tokens with printable text")
+
+
+def test_stop_strings_split_across_tokens(qwen_model):
+  m = qwen_model
+  prompt = m.tokenizer("Tell me a story.").input_ids
+  kw = dict(max_new_tokens=24, mask_token_id=m.mask_token_id, eos_token_ids=m.eos_token_ids,
+            temperature=1.0, seed=5, tokenizer=m.tokenizer)
+  full = sampling.generate(m.config, m.params, [prompt], **kw)
+  stop, k = spanning_stop(m.tokenizer, full.tokens[0])
+  text = stops.decode(m.tokenizer, full.tokens[0])
+  for window, mode in ((1, "gated"), (3, "lossless")):
+    out = sampling.generate(m.config, m.params, [prompt], stop=[stop], window=window,
+                            mode=mode, **kw)
+    assert out.tokens[0] == full.tokens[0][:k]
+    assert out.texts[0] == text[:text.index(stop)]
+    assert out.finish_reasons == ["stop"]
+    if window == 1:
+      assert out.num_forwards == [k]
+  with pytest.raises(ValueError, match="need a tokenizer"):
+    sampling.generate(m.config, m.params, [prompt], stop=[stop],
+                      **{**kw, "tokenizer": None})
+
+
+def test_bad_sampling_controls_are_refused(model):
+  config, params = model
+  for bad, match in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                     (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"),
+                     (dict(temperature=[0.5, 0.5]), "temperature: 2 values for 4"),
+                     (dict(stop=[["a"], ["b"]]), "stop: 2 lists for 4")):
+    with pytest.raises(ValueError, match=match):
+      sampling.generate(config, params, PROMPTS, **KW, **bad)

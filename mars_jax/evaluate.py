@@ -31,7 +31,7 @@ from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.generate import prompt_seeds
+from mars_jax.generate import check_sampling_flags, prompt_seeds
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
 
@@ -264,6 +264,7 @@ def main(argv=None) -> None:
 
 def run(args) -> None:
   """The command on parsed arguments (see `main`)."""
+  check_sampling_flags(args.temperature, args.top_k, args.top_p, args.sample_seed)
   flags = {"seed": args.seed, "test_fraction": args.test_fraction,
            "difficulty": args.difficulty}
   task_info = None

@@ -27,8 +27,10 @@ import json
 import time
 from typing import Sequence
 
+import numpy as np
+
 from mars_jax import choices, sampling
-from mars_jax.decoding import gates
+from mars_jax.decoding import batching, gates
 from mars_jax.choices import Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
@@ -76,6 +78,11 @@ def prompt_seeds(seed: int, n: int) -> list[int]:
   repeated prompts sample differently and a run is reproducible from `seed` alone."""
   check_seed(seed)
   return [(seed + i) % SEED_RANGE for i in range(n)]
+
+
+def check_sampling_flags(temperature: float, top_k: int, top_p: float, seed: int) -> None:
+  """Raises ValueError on sampling flags outside their ranges (before a model loads)."""
+  batching.check_sampling(*(np.asarray([v]) for v in (temperature, top_k, top_p, seed)))
 
 
 def budgets(max_positions: int, prompts: Sequence[Sequence[int]],
@@ -139,6 +146,7 @@ def main(argv=None) -> None:
 def run(args) -> None:
   """The command on parsed arguments (see `main`)."""
   window = args.window if args.window == "auto" else int(args.window)
+  check_sampling_flags(args.temperature, args.top_k, args.top_p, args.seed)
   runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
   model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
   if window != "auto":

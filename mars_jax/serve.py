@@ -151,10 +151,10 @@ class Server:
 
   @classmethod
   def from_model(cls, model, **kwargs) -> "Server":
-    """A server over a `mars_jax.loading.LoadedModel` (its mask and EOS ids)."""
+    """A server over a `mars_jax.loading.LoadedModel` (its mask and EOS ids, tokenizer)."""
     return cls(model.config, model.params, mask_token_id=model.mask_token_id,
                eos_token_ids=model.eos_token_ids, runtime=model.runtime,
-               **{"mesh": model.mesh, **kwargs})
+               **{"mesh": model.mesh, "tokenizer": model.tokenizer, **kwargs})
 
   @property
   def active(self) -> int:

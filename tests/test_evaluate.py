@@ -44,7 +44,8 @@ def test_load_problems_from_jsonl(tmp_path):
 
 
 def test_score_counts_exact_matches():
-  """A stub-free check of `score`: a model that cannot answer scores 0 with 1 token/forward."""
+  """A stub-free check of `score`: a model that cannot answer scores 0 with 1 token/forward;
+  sampled (temperature 1), the same outputs for the same seed, others for another."""
   import jax
   from mars_jax.data import build_char_tokenizer, model_vocab_size
   from mars_jax.loading import LoadedModel
@@ -59,6 +60,43 @@ def test_score_counts_exact_matches():
   r = evaluate.score(model, problems, max_new_tokens=8, batch_size=2)
   assert r["n"] == 3 and r["accuracy"] == 0.0 and r["tokens_per_forward"] == 1.0
   assert r["tokens"] == r["forwards"] and len(r["outputs"]) == 3
+
+  def outputs(**sample):
+    return [o["output"] for o in evaluate.score(model, problems, max_new_tokens=8,
+                                                batch_size=2, **sample)["outputs"]]
+  sampled = outputs(temperature=1.0, seed=3)
+  assert sampled == outputs(temperature=1.0, seed=3)
+  assert sampled != outputs(temperature=1.0, seed=4)
+  assert sampled != [o["output"] for o in r["outputs"]]
+
+
+def test_cli_passes_the_sampling_flags(tmp_path, monkeypatch, capsys):
+  """--temperature/--top-k/--top-p/--sample-seed reach every `score` of the sweep and
+  are recorded in results.json; the defaults are greedy; a bad value is one line."""
+  task = tmp_path / "gsm.jsonl"
+  task.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+  seen = []
+  monkeypatch.setattr(evaluate, "load_model", lambda path, mesh=None: path)
+
+  def score(model, problems, **kw):
+    seen.append(kw)
+    return {"accuracy": 0.0, "tokens_per_forward": 1.0, "tokens": 1, "forwards": 1, "n": 1}
+  monkeypatch.setattr(evaluate, "score", score)
+  base = ["--model", str(tmp_path), "--task", str(task), "--taus", "0.9", "--windows", "1,4",
+          "--metrics", "probability"]
+  evaluate.main(base)
+  assert [(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"]) for kw in seen] == [
+      (0.0, 0, 1.0, 0)] * 2
+  seen.clear()
+  evaluate.main(base + ["--temperature", "0.7", "--top-k", "20", "--top-p", "0.9",
+                        "--sample-seed", "5", "--out", str(tmp_path / "out")])
+  want = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5}
+  assert [{k: kw[k] for k in want} for kw in seen] == [want] * 2
+  with open(tmp_path / "out" / "results.json") as f:
+    assert json.load(f)["sampling"] == want
+  with pytest.raises(SystemExit) as e:
+    evaluate.main(base + ["--top-p", "0"])
+  assert e.value.code == 2 and "top_p=[0.0]; it must be in (0, 1]" in capsys.readouterr().err
 
 
 @pytest.mark.slow

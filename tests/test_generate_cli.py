@@ -89,7 +89,8 @@ def test_unset_max_new_tokens_fills_the_context(capsys, tiny):
   for args, message in (
       (["--prompt", "7 " * CONTEXT, "--raw"],
        f"leave no room to generate in the model's max_position_embeddings ({CONTEXT})"),
-      (["--prompt", "2+3?", "--seed", "-1"], "seed=-1; it must be in [0, 2**32)"),
+      (["--prompt", "2+3?", "--seed", "-1"], "seed=[-1]; it must be in [0, 2**32)"),
+      (["--prompt", "2+3?", "--temperature", "-1"], "temperature=[-1.0]; it must be >= 0"),
       (["--prompt", "2+3?", "--stop", ""], "stop strings must be non-empty")):
     with pytest.raises(SystemExit) as e:
       generate.main(["--model", tiny["hf"], *args])

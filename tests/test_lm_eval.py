@@ -128,6 +128,7 @@ def test_until_eos_and_max_gen_toks(env, lm):
   stop = free[0][2:4]
   cut = _generate(lm, ctxs, {"until": [stop, "zzz"], "max_gen_toks": 12})
   assert cut[0] == free[0][:free[0].index(stop)] != free[0]
+  assert not any(stop in c for c in cut)
   assert cut[1:] == [f[:f.index(stop)] if stop in f else f for f in free[1:]]
   # Decoding ended at the token that completed the stop: only the tokens up to it count.
   kept = [next((k for k in range(1, len(t) + 1)

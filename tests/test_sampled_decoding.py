@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from test_sampling import MASK_ID, full_logits, model  # noqa: F401  (the fixture)
 
-from mars_jax import sampling
+from mars_jax import sampling, serve
 from mars_jax.decoding import draws, stops
-from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
+from mars_jax.decoding.window_policy import FixedWindow
 
 PROMPTS = [[11, 52, 3], [7, 90, 33, 64, 25, 18, 41, 9, 100], [60, 61], [5, 77, 12, 98, 43]]
 SEEDS = [3, 141, 59, 26]
@@ -113,9 +113,21 @@ def test_ar_sampling_equals_naive_sampler(model, temperature, top_k, top_p):
   assert out.tokens != sampling.generate(config, params, PROMPTS, **KW).tokens
 
 
+class CyclingWindow(FixedWindow):
+  """A window policy that changes W every round of 2 steps, as a loaded server may."""
+
+  def __init__(self, windows):
+    super().__init__(max(windows), round_steps=2)
+    self.windows, self.cycle = tuple(windows), list(windows)
+
+  def choose(self, batch, cache_len, active, measure=None):
+    self.cycle.append(self.cycle.pop(0))
+    return self.cycle[-1]
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
 def test_lossless_and_tau_one_are_ar_sampling(model, top_k, top_p):
-  """Lossless at W = 2, 4, 5 (fixed, in rounds of 3 steps, and the load-aware window) and
+  """Lossless at W = 2, 4, 5 (fixed, in rounds of 3 steps, and W changed every round) and
   gated at tau 1: the tokens of AR sampling with the same seeds."""
   config, params = model
   kw = dict(KW, temperature=0.8, top_k=top_k, top_p=top_p, seed=SEEDS)
@@ -127,9 +139,9 @@ def test_lossless_and_tau_one_are_ar_sampling(model, top_k, top_p):
   rounds = sampling.generate(config, params, PROMPTS, mode="lossless",
                              policy=FixedWindow(4, round_steps=3), **kw)
   assert rounds.tokens == ar
-  auto = sampling.generate(config, params, PROMPTS, mode="lossless",
-                           policy=WindowPolicy((2, 5), round_steps=2), **kw)
-  assert auto.tokens == ar
+  cycling = sampling.generate(config, params, PROMPTS, mode="lossless",
+                              policy=CyclingWindow((5, 2, 4)), **kw)
+  assert cycling.tokens == ar and set(cycling.windows) == {2, 4, 5}
   assert sampling.generate(config, params, PROMPTS, window=5, tau=1.0, **kw).tokens == ar
 
 
@@ -271,6 +283,42 @@ def test_stop_strings_split_across_tokens(qwen_model):
   with pytest.raises(ValueError, match="need a tokenizer"):
     sampling.generate(m.config, m.params, [prompt], stop=[stop],
                       **{**kw, "tokenizer": None})
+
+
+def test_server_samples_as_generate_does(model, qwen_model):
+  """Continuous batching (2 rows, 4 requests, lossless W=4): each request's tokens are its
+  `generate` tokens, stop ids and stop strings included, with its finish reason."""
+  config, params = model
+  kw = dict(temperature=0.8, top_p=0.9)
+  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=[2],
+                        batch_size=2, max_len=64, window=4, mode="lossless", round_steps=3)
+  want = sampling.generate(config, params, PROMPTS, seed=SEEDS, **KW, **kw)
+  stop_id = want.tokens[2][4]
+  ids = [server.submit(p, max_new_tokens=KW["max_new_tokens"], seed=s,
+                       stop_token_ids=[stop_id] if i == 2 else (), **kw)
+         for i, (p, s) in enumerate(zip(PROMPTS, SEEDS))]
+  done = server.run()
+  for i, rid in enumerate(ids):
+    k = want.tokens[i].index(stop_id) + 1 if i == 2 else len(want.tokens[i])
+    assert done[rid].tokens == want.tokens[i][:k]
+    assert done[rid].finish_reason == ("stop" if i == 2 else want.finish_reasons[i])
+
+  m = qwen_model
+  prompt = m.tokenizer("Tell me a story.").input_ids
+  full = sampling.generate(m.config, m.params, [prompt], max_new_tokens=24,
+                           mask_token_id=m.mask_token_id, eos_token_ids=m.eos_token_ids,
+                           temperature=1.0, seed=5, tokenizer=m.tokenizer)
+  stop, k = spanning_stop(m.tokenizer, full.tokens[0])
+  server = serve.Server.from_model(m, batch_size=2, max_len=64, window=3, mode="lossless")
+  rid = server.submit(prompt, max_new_tokens=24, temperature=1.0, seed=5, stop=[stop])
+  other = server.submit(prompt, max_new_tokens=24, temperature=1.0, seed=5)
+  done = server.run()
+  assert done[rid].tokens == full.tokens[0][:k] and done[rid].finish_reason == "stop"
+  assert done[rid].text == full.texts[0][:full.texts[0].index(stop)]
+  assert done[other].tokens == full.tokens[0]
+  with pytest.raises(ValueError, match="tokenizer"):
+    serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=[2]).submit(
+        [1, 2], max_new_tokens=4, stop=["x"])
 
 
 def test_bad_sampling_controls_are_refused(model):

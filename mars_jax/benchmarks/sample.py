@@ -28,6 +28,14 @@ task's test questions, chat-formatted: needs a model with a tokenizer), or
 "toy" (the toy's cycle; the default with --model toy).
 --costs PREFIX: the policy's cost tables, PREFIX.gated.json and
 PREFIX.lossless.json, loaded when present, else measured and written there.
+
+--temperature T > 0 (with --top-k, --top-p): every row samples instead, prompt i with
+seed i: our AR loop is AR sampling, gated MARS draws its proposals and gates them
+(`mars_jax.decoding.gates`), lossless MARS is AR sampling token for token (=AR shows
+it), and the peer is transformers' sampling generate. "acc" is the share of the W-1
+extra slots a forward filled, (tokens per forward - 1) / (W - 1). After the table, the
+drafts' acceptance under our shared-noise coupling against the speculative-sampling
+rule, slot by slot, on the same contexts (`mars_jax.benchmarks.acceptance`).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import jax
 import numpy as np
 
 from mars_jax import choices, evaluate, hf, loading, sampling
-from mars_jax.benchmarks import roofline, toy
+from mars_jax.benchmarks import acceptance, roofline, toy
 from mars_jax.decoding import gates
 from mars_jax.choices import Mode
 from mars_jax.models import qwen2
@@ -129,20 +137,27 @@ def load_model(args) -> BenchModel:
 
 
 def ours(m: BenchModel, prompts, *, max_new, window, tau, metric, mode="gated", policy=None,
-         runtime: qwen2.Runtime = qwen2.DEFAULT_RUNTIME):
-  """A call of our sampler (params computed in `runtime`) -> (tokens, tokens per forward,
-  forwards, windows used)."""
+         runtime: qwen2.Runtime = qwen2.DEFAULT_RUNTIME, sample: dict | None = None):
+  """A call of our sampler (params computed in `runtime`; sample: temperature, top_k,
+  top_p, prompt i seeded i) -> (tokens, tokens per forward, forwards, windows used)."""
+  seeds = list(range(len(prompts)))
+
   def call():
     out = sampling.generate(m.config, m.params, prompts, max_new_tokens=max_new,
                             mask_token_id=m.mask_id, eos_token_ids=(), tau=tau, window=window,
-                            metric=metric, mode=mode, policy=policy, runtime=runtime)
+                            metric=metric, mode=mode, policy=policy, runtime=runtime,
+                            seed=seeds, **(sample or {}))
     return out.tokens, out.tokens_per_forward, out.forwards, out.windows
   return call
 
 
-def transformers_generate(model, prompts, *, max_new):
-  """A call of transformers' greedy generate with its KV cache (prompts left-padded)
-  -> (tokens, 1.0, forwards, {1: forwards})."""
+def transformers_generate(model, prompts, *, max_new, sample: dict | None = None):
+  """A call of transformers' generate with its KV cache (prompts left-padded), greedy or
+  sampling with `sample`'s temperature, top_k, top_p -> (tokens, 1.0, forwards,
+  {1: forwards})."""
+  warp = {} if not sample or not sample["temperature"] else dict(
+      do_sample=True, temperature=sample["temperature"], top_k=sample["top_k"] or None,
+      top_p=sample["top_p"])
   import torch  # pylint: disable=import-outside-toplevel
   width = max(map(len, prompts))
   ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long,
@@ -152,8 +167,8 @@ def transformers_generate(model, prompts, *, max_new):
 
   def call():
     with torch.no_grad():
-      out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                           use_cache=True, pad_token_id=0)
+      out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, use_cache=True,
+                           pad_token_id=0, **({"do_sample": False} | warp))
     return out[:, width:].tolist(), 1.0, max_new, {1: max_new}
   return call
 
@@ -233,11 +248,13 @@ def bench_batch(m: BenchModel, peer, prompts, windows, taus, args,
                 policies: dict[str, WindowPolicy], bandwidth: float) -> list[dict]:
   """All rows of one batch size; speedups are against our AR loop on the same prompts;
   `roofline_tokens_per_s`: the row's tokens per forward at the memory roofline."""
-  kw = dict(max_new=args.max_new_tokens, metric=args.metric)
+  sample = sample_controls(args)
+  kw = dict(max_new=args.max_new_tokens, metric=args.metric, sample=sample)
   calls = {("ours AR", 1, 1.0): ours(m, prompts, window=1, tau=1.0, **kw)}
   if peer is not None:
     calls[("transformers", 1, 1.0)] = transformers_generate(peer, prompts,
-                                                            max_new=args.max_new_tokens)
+                                                            max_new=args.max_new_tokens,
+                                                            sample=sample)
   for window in (w for w in windows if w > 1):
     for tau in taus:
       calls[("ours MARS", window, tau)] = ours(m, prompts, window=window, tau=tau, **kw)
@@ -259,11 +276,35 @@ def bench_batch(m: BenchModel, peer, prompts, windows, taus, args,
     rows.append({"batch": len(prompts), "impl": key[0], "window": key[1], "tau": key[2],
                  "tokens_per_s": rate, "tokens_per_forward": per_forward,
                  "forwards": forwards, "seconds": seconds[key],
+                 "acceptance": ((per_forward - 1) / (key[1] - 1)
+                                if isinstance(key[1], int) and key[1] > 1 else None),
                  "speedup_vs_ours_ar": rate / ar_rate,
                  "roofline_tokens_per_s": roof * per_forward,
                  "same_tokens_as_ours_ar": float(np.mean([a == b for a, b in
                                                           zip(ar_tokens, tokens)])),
                  "windows_used": {str(w): n for w, n in sorted(used.items())}})
+  return rows
+
+
+def sample_controls(args) -> dict | None:
+  """--temperature, --top-k, --top-p as `sampling.generate` keywords (None: greedy)."""
+  if not args.temperature:
+    return None
+  return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+
+
+def acceptance_rows(m: BenchModel, windows, args, rng) -> list[dict]:
+  """Coupling vs the speculative-sampling rule, per draft slot, at each W > 1."""
+  prompts = m.prompts(max(_ints(args.batch_sizes)), rng)
+  rows = []
+  for window in (w for w in windows if w > 1):
+    r = acceptance.draft_acceptance(m.config, m.params, prompts, window=window,
+                                    mask_token_id=m.mask_id, max_new_tokens=args.max_new_tokens,
+                                    **sample_controls(args))
+    rows.append({"window": window, **r})
+    print(f"W={window}: drafts kept per slot, coupling "
+          + " ".join(f"{a:.3f}" for a in r["coupling"]) + " | rule "
+          + " ".join(f"{a:.3f}" for a in r["rule"]) + f"  ({r['drafts']} contexts)", flush=True)
   return rows
 
 
@@ -274,6 +315,7 @@ def run(args) -> dict:
   facts = {"model": args.model, "prompts": args.prompts, "config": m.config.to_hf_dict(),
            "metric": args.metric, "prompt_len": args.prompt_len,
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+           "sampling": sample_controls(args),
            "round_steps": args.round_steps, "backend": jax.default_backend(),
            "devices": [str(d) for d in jax.devices()], "cpu_count": os.cpu_count(),
            "load_average": os.getloadavg()}
@@ -295,17 +337,21 @@ def run(args) -> dict:
     for mode, policy in policies.items():
       policy.costs.save(f"{args.costs}.{mode}.json")
   facts["costs"] = {mode: p.costs.to_json() for mode, p in policies.items()}
+  if args.temperature:
+    facts["draft_acceptance"] = acceptance_rows(m, windows, args, rng)
   return {**facts, "rows": rows}
 
 
 def print_rows(rows, *, header: bool) -> None:
   if header:
     print(f"{'batch':>5} {'impl':<13} {'W':>4} {'tau':>5} {'tokens/s':>10} {'tok/fwd':>8} "
-          f"{'vs our AR':>9} {'=AR':>5} {'roof tok/s':>10} {'%roof':>5}  W used (batch forwards)")
+          f"{'acc':>5} {'vs our AR':>9} {'=AR':>5} {'roof tok/s':>10} {'%roof':>5}  "
+          "W used (batch forwards)")
   for r in rows:
     used = " ".join(f"{w}:{n}" for w, n in r["windows_used"].items())
+    acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
     print(f"{r['batch']:>5} {r['impl']:<13} {r['window']:>4} {r['tau']:>5.2f} "
-          f"{r['tokens_per_s']:>10.1f} {r['tokens_per_forward']:>8.2f} "
+          f"{r['tokens_per_s']:>10.1f} {r['tokens_per_forward']:>8.2f} {acc:>5} "
           f"{r['speedup_vs_ours_ar']:>8.2f}x {r['same_tokens_as_ours_ar']:>5.0%} "
           f"{r['roofline_tokens_per_s']:>10.0f} "
           f"{r['tokens_per_s'] / r['roofline_tokens_per_s']:>5.0%}  {used}",
@@ -331,6 +377,10 @@ def main(argv=None) -> None:
   p.add_argument("--round-steps", type=int, default=8,
                  help="decoding steps between two choices of the window policy")
   p.add_argument("--costs", default="", help="cost-table prefix (see above)")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sample at this temperature (0: greedy, as before)")
+  p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
+  p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
   p.add_argument("--torch-threads", type=int, default=0,
@@ -340,9 +390,10 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   print(f"model={args.model} backend={jax.default_backend()} cpus={os.cpu_count()} "
         f"load={os.getloadavg()[0]:.1f} prompt_len={args.prompt_len} "
-        f"max_new_tokens={args.max_new_tokens} metric={args.metric}; peer: transformers "
-        "greedy generate (KV cache) on the exported weights; =AR: share of samples whose "
-        "tokens equal our AR loop's")
+        f"max_new_tokens={args.max_new_tokens} metric={args.metric} "
+        f"temperature={args.temperature} top_k={args.top_k} top_p={args.top_p}; peer: "
+        "transformers generate (KV cache) on the exported weights; =AR: share of samples "
+        "whose tokens equal our AR loop's")
   result = run(args)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)

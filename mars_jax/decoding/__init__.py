@@ -1,3 +1,4 @@
-"""The decoding loop, one job per module (`mars_jax.sampling.generate` is the front door):
-loop (jitted kernels), batching (host buckets, checks, results), timing (step costs),
-rounds (steps at the window a policy chooses)."""
+"""Decoding, one job per module (`mars_jax.sampling.generate` is the front door):
+loop (jitted kernels), gates (acceptance), draws (greedy or sampled tokens), stops
+(stop strings), batching (host buckets, checks, results), timing (step costs),
+window_policy and rounds (steps at the window a policy chooses), mesh (shardings)."""

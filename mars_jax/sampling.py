@@ -52,8 +52,9 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
                       max_new_tokens=max_new_tokens, **controls)
   return loop.decode(config, params, b.prompt, b.prompt_len, b.max_new_tokens, b.controls,
                      batching.eos_array(eos_token_ids), np.int32(mask_token_id),
-                     window=window, mode=mode, cache_len=b.cache_len(window), runtime=runtime,
-                     mesh=mesh)
+                     window=window, mode=mode,
+                     cache_len=b.cache_len(window, config.max_position_embeddings),
+                     runtime=runtime, mesh=mesh)
 
 
 def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]], *,

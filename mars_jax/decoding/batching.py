@@ -190,10 +190,15 @@ class Bucket:
   max_new_tokens: np.ndarray
   controls: Controls
 
-  def cache_len(self, window: int) -> int:
-    """Cache slots for every row's prompt + budget + W - 1: a power of two >= P."""
+  def cache_len(self, window: int, max_positions: int | None = None) -> int:
+    """Cache slots for every row's prompt + budget + W - 1: a power of two >= P, capped
+    at max_positions + W - 1 (a budget that fills the model's context, max_positions,
+    would otherwise double the cache)."""
     need = int(np.max(self.prompt_len + self.max_new_tokens)) + window - 1
-    return pow2(need, self.prompt.shape[1])
+    slots = pow2(need, self.prompt.shape[1])
+    if max_positions is None:
+      return slots
+    return max(self.prompt.shape[1], min(slots, max_positions + window - 1))
 
 
 def bucket(prompts: Sequence[Sequence[int]], rows: int, *, max_new_tokens,

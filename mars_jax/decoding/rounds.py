@@ -99,8 +99,9 @@ def generate_with_policy(config: Qwen2Config, params, n: int, prompts: Bucket,
   state = loop.prefill(config, params, prompts.prompt, prompts.prompt_len,
                        prompts.max_new_tokens, prompts.controls, eos_ids,
                        np.int32(mask_token_id), window=prefill_window, mode=mode,
-                       cache_len=prompts.cache_len(max(policy.windows)), runtime=runtime,
-                       mesh=mesh)
+                       cache_len=prompts.cache_len(max(policy.windows),
+                                                   config.max_position_embeddings),
+                       runtime=runtime, mesh=mesh)
   measure = timing.measure_fn(config, params, mode=mode, mask_token_id=mask_token_id,
                               runtime=runtime, mesh=mesh)
   used = {prefill_window: 1}

@@ -9,7 +9,6 @@ scaled up, so its distributions are peaked but not one-hot.
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -31,7 +31,7 @@ from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.generate import check_sampling_flags, prompt_seeds
+from mars_jax.generate import budgets, check_sampling_flags, prompt_seeds
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
 
@@ -126,21 +126,25 @@ def describe_settings(settings: dict, origins: dict) -> str:
 
 
 def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, window: int = 1,
-          metric: Metric = "probability", batch_size: int = 64, max_new_tokens: int = 64,
+          metric: Metric = "probability", batch_size: int = 64,
+          max_new_tokens: int | None = 64,
           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
           progress: Any = None) -> dict:
   """Decodes every problem; -> {accuracy, tokens_per_forward, tokens, forwards, n,
   outputs}. tokens_per_forward = generated tokens / per-sample forwards (prefill
   included), so AR decoding gives exactly 1.0. temperature (0: greedy), top_k, top_p:
-  sampling as `sampling.generate`; problem i samples with the seed seed + i."""
+  sampling as `sampling.generate`; problem i samples with the seed seed + i.
+  max_new_tokens None: as many as fit the model's context."""
   prompts = [chat_prompt_ids(model.tokenizer, [{"role": "user", "content": p["question"]}])
              for p in problems]
+  budget = budgets(model.config.max_position_embeddings, prompts, max_new_tokens)
   seeds = prompt_seeds(seed, len(prompts))
   correct = tokens = forwards = 0
   outputs = []
   for i in range(0, len(prompts), batch_size):
     res = sampling.generate(model.config, model.params, prompts[i:i + batch_size],
-                            max_new_tokens=max_new_tokens, mask_token_id=model.mask_token_id,
+                            max_new_tokens=budget[i:i + batch_size],
+                            mask_token_id=model.mask_token_id,
                             eos_token_ids=model.eos_token_ids, tau=tau, window=window,
                             metric=metric, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seeds[i:i + batch_size], runtime=model.runtime,
@@ -160,7 +164,8 @@ def score(model: LoadedModel, problems: Sequence[dict], *, tau: float = 1.0, win
 
 def sweep(model: LoadedModel, problems: Sequence[dict], *, taus: Sequence[float],
           windows: Sequence[int], metrics: Sequence[str], batch_size: int = 64,
-          max_new_tokens: int = 64, show_progress: bool = True, **sample) -> list[dict]:
+          max_new_tokens: int | None = 64, show_progress: bool = True, **sample
+          ) -> list[dict]:
   """`score` for every (metric, window, tau); window 1 is run once (it ignores tau).
   sample: `score`'s temperature, top_k, top_p and seed, the same for every setting."""
   settings = []
@@ -242,7 +247,9 @@ def main(argv=None) -> None:
   p.add_argument("--metrics", default="probability,margin",
                  help="gates: probability, margin, entropy")
   p.add_argument("--batch-size", type=int, default=64)
-  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=int, default=None,
+                 help="tokens to generate per problem (default: as many as fit the context; "
+                      "decoding ends at EOS)")
   p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
   p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
   p.add_argument("--top-p", type=float, default=1.0,

@@ -31,7 +31,7 @@ from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.generate import budgets, check_sampling_flags, prompt_seeds
+from mars_jax.generate import add_sampling_flags, budgets, check_sampling_flags, prompt_seeds
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
 
@@ -250,13 +250,8 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=None,
                  help="tokens to generate per problem (default: as many as fit the context; "
                       "decoding ends at EOS)")
-  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
-  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
-  p.add_argument("--top-p", type=float, default=1.0,
-                 help="sample within the top-p probability mass (1.0: off)")
-  p.add_argument("--sample-seed", type=int, default=0,
-                 help="sampling seed: problem i gets sample_seed + i, at every setting "
-                      "(--seed is the synthetic split's)")
+  add_sampling_flags(p, "--sample-seed", "sampling seed: problem i gets sample_seed + i, at "
+                     "every setting (--seed is the synthetic split's)")
   p.add_argument("--out", default=None, help="directory for results.json and pareto.png")
   p.add_argument("--mesh", default=None,
                  help="decode on a mesh of the devices: AXIS=SIZE pairs over data, fsdp, "

@@ -98,6 +98,15 @@ def budgets(max_positions: int, prompts: Sequence[Sequence[int]],
   return [max_positions - len(p) for p in prompts]
 
 
+def add_sampling_flags(p: argparse.ArgumentParser, seed_flag: str, seed_help: str) -> None:
+  """--temperature, --top-k, --top-p and the sampling seed flag (named `seed_flag`)."""
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
+  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="sample within the top-p probability mass (1.0: off)")
+  p.add_argument(seed_flag, type=int, default=0, help=seed_help)
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.generate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,13 +127,8 @@ def main(argv=None) -> None:
   p.add_argument("--max-new-tokens", type=int, default=None,
                  help="tokens to generate per prompt (default: as many as fit the context, "
                       "max_position_embeddings - prompt length)")
-  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
-  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
-  p.add_argument("--top-p", type=float, default=1.0,
-                 help="sample within the top-p probability mass (1.0: off)")
-  p.add_argument("--seed", type=int, default=0,
-                 help="sampling seed: prompt i of the file gets seed + i, so repeated "
-                      "prompts sample differently; the same seed gives the same text")
+  add_sampling_flags(p, "--seed", "sampling seed: prompt i of the file gets seed + i, so "
+                     "repeated prompts sample differently; the same seed gives the same text")
   p.add_argument("--stop", action="append", default=None, metavar="STRING",
                  help="a stop string (repeatable): a sample ends at the token that "
                       "completes one, and its text is cut before it")

@@ -60,8 +60,10 @@ writes those K/V and moves its cursor without proposing (a partial step).
 
 Per-sample controls (`Controls`: the gate, the sampling controls, the seed and the
 stop ids) are arrays in the loop state, one entry per sample, so one batch mixes
-exact-AR (tau >= 1), fast, greedy and sampled requests in one compilation. Compilation: one per (batch bucket, prompt-length bucket,
-cache-length bucket, W, mode), all powers of two; budgets and gates are traced.
+exact-AR (tau >= 1), fast, greedy and sampled requests in one compilation.
+Compilation: one per (batch bucket, prompt-length bucket, cache-length bucket, W,
+mode), all powers of two (the cache capped at the model's context + W - 1);
+budgets and controls are traced.
 
 Beyond `decode` (one call to completion), `run_steps` runs the loop for a
 bounded number of steps (a round) on a state that `insert` can refill row by row

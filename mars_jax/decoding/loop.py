@@ -243,7 +243,7 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   # The position each output's token fills: the verifying outputs (lossless) or the
   # proposals (gated) from `length` on; lossless MASK slot j's draft at
   # length + drafts_fed + j (the first position after a full match, and on).
-  fills = length[:, None] + (proposal if mode == "lossless" else jnp.arange(window)[None])
+  fills = length[:, None] + proposal
   if mode == "lossless":
     fills = jnp.concatenate([fills, (length + drafts_fed)[:, None] + proposal[:, 1:]], axis=1)
   out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed)

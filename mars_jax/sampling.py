@@ -127,6 +127,5 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   if tokenizer is None:
     return out
   return dataclasses.replace(out, texts=[
-      stops.text(tokenizer, t, stop_rows[i],
-                 ended_by_token=r == "eos" or (r == "stop" and not stopped[i]))
+      stops.text(tokenizer, t, stop_rows[i], reason=r, stopped=stopped[i])
       for i, (t, r) in enumerate(zip(out.tokens, out.finish_reasons))])

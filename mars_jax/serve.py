@@ -264,8 +264,8 @@ class Server:
       if done[row]:
         request = self._requests.pop(rid)
         text = None if self.tokenizer is None else stops.text(
-            self.tokenizer, tokens, request.stop,
-            ended_by_token=reason == "eos" or (reason == "stop" and not self.scan.stopped[row]))
+            self.tokenizer, tokens, request.stop, reason=reason,
+            stopped=self.scan.stopped[row])
         self.completed[rid] = Completion(rid, tokens, int(forwards[row]), reason, text)
         del self._streamed[rid]
         self.slots[row] = None

@@ -70,10 +70,12 @@ def first_stop(tokenizer, tokens: Sequence[int], stops: Sequence[str], since: in
   return hi
 
 
-def text(tokenizer, tokens: Sequence[int], stops: Sequence[str], *, ended_by_token: bool
-         ) -> str:
+def text(tokenizer, tokens: Sequence[int], stops: Sequence[str], *, reason: str,
+         stopped: bool) -> str:
   """What a user reads: the tokens' text, without the final token when it is the EOS or
-  stop id that ended them (ended_by_token), cut before the first stop string."""
+  stop id that ended them (reason "eos", or "stop" when no stop string did: `stopped`
+  False), cut before the first stop string."""
+  ended_by_token = reason == "eos" or (reason == "stop" and not stopped)
   return cut(decode(tokenizer, tokens[:-1] if ended_by_token else tokens), stops)
 
 

@@ -43,7 +43,9 @@ def decode_batch(config: Qwen2Config, params, prompts: Sequence[Sequence[int]], 
                  **controls) -> DecodeState:
   """Buckets `prompts` and runs `loop.decode`; returns the final state (rows past
   len(prompts) are padding). Arguments as `generate`; controls: tau, metric,
-  temperature, top_k, top_p, seed, stop_token_ids."""
+  temperature, top_k, top_p, seed, stop_token_ids (lossless: every row, in lossless
+  mode)."""
+  controls.setdefault("lossless", mode == "lossless")
   batching.check_prompts(config, prompts, max_new_tokens)
   batching.check_args(config, window=window, mode=mode, mask_token_id=mask_token_id)
   if mesh is not None:
@@ -98,7 +100,8 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   None: one device. The tokens are those of one device.
   """
   controls = dict(tau=tau, metric=metric, temperature=temperature, top_k=top_k,
-                  top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
+                  top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
+                  lossless=mode == "lossless")
   if not (window == "auto" or isinstance(window, (int, np.integer))):
     raise ValueError(f"window={window!r}; expected an int >= 1 or 'auto'.")
   stop_rows = stops.check_stops(stop, len(prompts))

@@ -151,17 +151,23 @@ def check_sampling(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
 
 def controls(n: int, rows: int, *, tau=1.0, metric: Metric | Sequence[Metric] = "probability",
              temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token_ids=(),
-             stop_width: int | None = None) -> Controls:
+             window=0, lossless=False, stop_width: int | None = None) -> Controls:
   """The `loop.Controls` of n prompts in the first n of `rows` rows (the rest padding);
   each argument one value, or one per prompt (stop_token_ids: one id list, or one per
-  prompt). stop_width: stop ids per row (default: a power of two >= STOP_BUCKET that
-  holds them; a state's width when inserting into it)."""
+  prompt). window: tokens per forward at most (0: the step's W); lossless: verified,
+  not gated (under the lossless kernel). stop_width: stop ids per row (default: a
+  power of two >= STOP_BUCKET that holds them; a state's width when inserting into
+  it)."""
   def pad(values, fill=0):
     return np.pad(values, (0, rows - n), constant_values=fill)
   sample = [per_prompt(temperature, n, "temperature", np.float64),
             per_prompt(top_k, n, "top_k", np.int64), per_prompt(top_p, n, "top_p", np.float64),
             per_prompt(seed, n, "seed", np.int64)]
   check_sampling(*sample)
+  caps = per_prompt(window, n, "window", np.int32)
+  if np.any(caps < 0):
+    raise ValueError(f"window={caps.tolist()}; a sample's window must be >= 1 (0: the "
+                     "step's W).")
   stops = ids_per_prompt(stop_token_ids, n, "stop_token_ids")
   width = stop_width or pow2(max(map(len, stops)), STOP_BUCKET)
   if max(map(len, stops)) > width:
@@ -174,7 +180,9 @@ def controls(n: int, rows: int, *, tau=1.0, metric: Metric | Sequence[Metric] = 
                   temperature=pad(sample[0].astype(np.float32)),
                   top_k=pad(sample[1].astype(np.int32)),
                   top_p=pad(sample[2].astype(np.float32), 1.0),
-                  seed=pad(sample[3].astype(np.uint32)), stop_ids=stop_ids)
+                  seed=pad(sample[3].astype(np.uint32)), stop_ids=stop_ids,
+                  window=pad(caps),
+                  lossless=pad(per_prompt(lossless, n, "lossless", bool)))
 
 
 @dataclasses.dataclass(frozen=True)

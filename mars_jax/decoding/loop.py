@@ -58,9 +58,11 @@ A step feeds at most `real_slots` pending tokens; a sample with more pending
 (a long prompt chunked over several steps, or W lowered between rounds)
 writes those K/V and moves its cursor without proposing (a partial step).
 
-Per-sample controls (`Controls`: the gate, the sampling controls, the seed and the
-stop ids) are arrays in the loop state, one entry per sample, so one batch mixes
-exact-AR (tau >= 1), fast, greedy and sampled requests in one compilation.
+Per-sample controls (`Controls`: the gate, the sampling controls, the seed, the stop
+ids, a cap on the tokens per forward and, for the lossless kernel, gated or lossless)
+are arrays in the loop state, one entry per sample, so one batch mixes exact-AR
+(tau >= 1), fast, greedy, sampled, gated and lossless requests, each at its own window
+up to W, in one compilation.
 Compilation: one per (batch bucket, prompt-length bucket, cache-length bucket, W,
 mode), all powers of two (the cache capped at the model's context + W - 1);
 budgets and controls are traced.
@@ -111,6 +113,12 @@ class Controls:
   temperature: float32[b] (0: greedy); top_k: int32[b] (0: off); top_p: float32[b]
   (1.0: off); seed: uint32[b] (`mars_jax.decoding.draws`).
   stop_ids: int32[b, E]: tokens that end the sample besides EOS (-1: padding).
+  window: int32[b]: the most tokens the sample commits per forward (0: the step's W);
+    a cap below W gives the tokens the sample gets at that W (the MASK slots attend
+    causally, so the first ones see what they would see alone).
+  lossless: bool[b]: the sample is verified (lossless) rather than gated; read by the
+    lossless kernel only, so one batch mixes both modes (a gated kernel treats every
+    sample as gated: run it only when no sample is lossless).
   """
   tau: Array
   metric: Array
@@ -119,6 +127,8 @@ class Controls:
   top_p: Array
   seed: Array
   stop_ids: Array
+  window: Array
+  lossless: Array
 
 
 def control_axes() -> Controls:
@@ -206,10 +216,12 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   cursor, length = state.cursor, state.length
   pending = length - cursor                       # accepted, K/V not written yet
   partial = active & (pending > real_slots)
+  c = state.controls
+  cap = jnp.where(c.window > 0, jnp.minimum(c.window, window), window)  # tokens per forward
   drafts_fed = jnp.zeros_like(length)
   if mode == "lossless":
-    drafts_fed = jnp.where(partial, 0, jnp.clip(jnp.minimum(state.draft, real_slots - pending),
-                                                0, window - 1))
+    drafts_fed = jnp.where(partial | ~c.lossless, 0,
+                           jnp.clip(jnp.minimum(state.draft, real_slots - pending), 0, cap - 1))
   real_count = jnp.where(partial, real_slots, pending + drafts_fed)
   slot = jnp.arange(real_slots)[None]
   is_real = (slot < real_count[:, None]) & active[:, None]
@@ -237,7 +249,6 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
                          runtime=runtime)
   budget_left = jnp.where(proposing, state.limit - length, 0)
   proposal = jnp.arange(window)[None]
-  c = state.controls
   ends = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch,) + eos_ids.shape), c.stop_ids],
                          axis=1)
   # The position each output's token fills: the verifying outputs (lossless) or the
@@ -247,22 +258,40 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   if mode == "lossless":
     fills = jnp.concatenate([fills, (length + drafts_fed)[:, None] + proposal[:, 1:]], axis=1)
   out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed)
+  gated_budget = jnp.minimum(budget_left, cap)
   if mode == "lossless":
     verified = out[:, :window]
     drafts = jnp.take_along_axis(
         state.seq, jnp.minimum(length[:, None] + jnp.arange(window - 1)[None], slots - 1),
         axis=1)
     accepted, hit_end = gates.verify(verified, drafts, drafts_fed, ends, budget_left)
+    # Gated samples in this batch: the proposal at the last real token and the MASK
+    # proposals, under their gates (skipped when every sample is lossless).
+    gated_out = jnp.concatenate([out[:, :1], out[:, window:]], axis=1)
+    gated = proposing & ~c.lossless
+    accepted_g, hit_end_g = jax.lax.cond(
+        jnp.any(gated),
+        lambda: gates.accept(draws.scale(jnp.concatenate([logits[:, :1], logits[:, window:]],
+                                                         axis=1), c.temperature),
+                             gated_out, c.tau, c.metric, ends, gated_budget),
+        lambda: (jnp.zeros_like(accepted), jnp.zeros_like(hit_end)))
+    accepted = jnp.where(c.lossless, accepted, accepted_g)
+    hit_end = jnp.where(c.lossless, hit_end, hit_end_g)
     new_length = length + accepted
-    full_match = (accepted == drafts_fed + 1) & ~hit_end
-    next_drafts = jnp.where(full_match, jnp.clip(state.limit - new_length, 0, window - 1), 0)
+    full_match = c.lossless & (accepted == drafts_fed + 1) & ~hit_end
+    next_drafts = jnp.where(full_match, jnp.clip(state.limit - new_length, 0, cap - 1), 0)
     dest = jnp.concatenate(
-        [jnp.where(proposal < accepted[:, None], length[:, None] + proposal, slots),
+        [jnp.where((proposal < accepted[:, None]) & c.lossless[:, None],
+                   length[:, None] + proposal, slots),
          jnp.where(proposal[:, :window - 1] < next_drafts[:, None],
                    new_length[:, None] + proposal[:, :window - 1], slots)], axis=1)
+    dest_g = jnp.where((proposal < accepted[:, None]) & ~c.lossless[:, None],
+                       length[:, None] + proposal, slots)
+    dest, out = (jnp.concatenate([dest, dest_g], axis=1),
+                 jnp.concatenate([out, gated_out], axis=1))
   else:
     accepted, hit_end = gates.accept(draws.scale(logits, c.temperature), out, c.tau,
-                                     c.metric, ends, budget_left)
+                                     c.metric, ends, gated_budget)
     new_length = length + accepted
     next_drafts = jnp.zeros_like(length)
     dest = jnp.where(proposal < accepted[:, None], length[:, None] + proposal, slots)
@@ -287,7 +316,8 @@ def new_controls(batch: int, stop_ids: int = STOP_BUCKET) -> Controls:
   zeros = np.zeros((batch,), np.int32)
   return Controls(tau=ones, metric=zeros, temperature=0 * ones, top_k=zeros, top_p=ones,
                   seed=zeros.astype(np.uint32),
-                  stop_ids=np.full((batch, stop_ids), -1, np.int32))
+                  stop_ids=np.full((batch, stop_ids), -1, np.int32), window=zeros,
+                  lossless=np.zeros((batch,), bool))
 
 
 def new_state(config: Qwen2Config, batch: int, cache_len: int, *,

@@ -49,10 +49,11 @@ def progress(state: DecodeState) -> Progress:
 def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
               eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
               before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
-              stop_on_finish: bool = False, steps: int | None = None,
+              stop_on_finish: bool = False, steps: int | None = None, min_window: int = 1,
               scan: StopScan | None = None, runtime: Runtime = DEFAULT_RUNTIME,
               mesh: Mesh | None = None) -> tuple[DecodeState, int, Progress]:
-  """One round: W for the state's batch, then `steps` steps (`policy.round_steps` by
+  """One round: W for the state's batch (the policy's, or min_window when larger:
+  rows that fixed their own window), then `steps` steps (`policy.round_steps` by
   default; the first `wide_steps` of them `real_slots` wide when that exceeds W, to
   prefill new rows), the rows that were live cut at their stop strings (`scan`), and
   the acceptance seen (up to the cuts) reported to the policy.
@@ -61,7 +62,7 @@ def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *
   -> (new state, W, its progress)."""
   b, cache_len = state.seq.shape
   before = before or progress(state)
-  window = policy.choose(b, cache_len, int(np.sum(~before.done)), measure)
+  window = max(policy.choose(b, cache_len, int(np.sum(~before.done)), measure), min_window)
   call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
                            mask_token_id=np.int32(mask_token_id), window=window, mode=mode,
                            runtime=runtime, mesh=mesh)

@@ -32,7 +32,9 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   best = float("inf")
   for _ in range(repeats + 1):
     state = loop.start(config, prompt, live * rows, (cache_len - window - live + 1) * rows,
-                       loop.new_controls(batch), cache_len=cache_len, runtime=runtime,
+                       loop.new_controls(batch).replace(
+                           lossless=np.full((batch,), mode == "lossless")),
+                       cache_len=cache_len, runtime=runtime,
                        mesh=mesh)
     state = state.replace(cursor=state.length - 1)
     jax.block_until_ready(state)

@@ -4,6 +4,7 @@
                   max_len=512, window=WindowPolicy(), mode="lossless")
   rid = server.submit(prompt_ids, max_new_tokens=64, tau=0.9, temperature=0.7, seed=1,
                       stop=["\n\n"])   # stop strings need Server(..., tokenizer=tok)
+  rid2 = server.submit(prompt_ids, max_new_tokens=64, window=3, mode="gated", tau=0.9)
   for update in server.stream():          # until every submitted request is done
     print(update.request_id, update.tokens, update.done)
   server.completed[rid].tokens_per_forward, server.completed[rid].finish_reason
@@ -18,21 +19,29 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      (`loop.insert`), without touching the other rows; the new prompts are
      prefilled by the round's first steps, `prefill_chunk` tokens wide, while
      the other rows keep decoding in the same forwards;
-  3. decode: the policy picks W; the loop runs `round_steps` steps, ending early
-     when a row finishes and requests are waiting;
+  3. decode: the policy picks W (at least the largest window a live request fixed);
+     the loop runs `round_steps` steps, ending early when a row finishes and requests
+     are waiting. Requests with window "auto" take the round's W; one with a fixed
+     window commits at most that many tokens per forward. The round runs the
+     lossless kernel when some live request is lossless, the gated one otherwise
+     (`loop.Controls`);
   4. stop: rows whose new text holds one of their stop strings are cut after the
      token that completed it (`mars_jax.decoding.stops`);
   5. stream: the tokens each request committed since the last step come back as
      `Update`s; a finished request becomes a `Completion` and frees its row.
 
+`cancel` drops a queued request, or ends a running one at the start of the next
+step (its row is free for the refill of that step).
+
 On a mesh (`mesh=`, from `sharding.make_mesh`) the weights are placed once with the
 decode shardings and the state lives split over it (`mars_jax.decoding.mesh`); the
 buckets are then multiples of data x fsdp as well.
 
-Every row is decoded as if it were alone (per-sample cursors, gates, budgets and
-position-keyed sampling noise), so a request gets the tokens it gets from
-`sampling.generate` alone at the same W; in lossless mode, the AR tokens (greedy, or
-sampled with its seed) whatever W the policy picks.
+Every row is decoded as if it were alone (per-sample cursors, gates, budgets, windows
+and position-keyed sampling noise), so a request gets the tokens it gets from
+`sampling.generate` alone at the same W (a gated request with window "auto" takes
+the W the load picks, so fix its window for reproducible output); in lossless mode,
+the AR tokens (greedy, or sampled with its seed) whatever W the policy picks.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from mars_jax import choices
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import batching, gates, loop, rounds, stops, timing
 from mars_jax.decoding import mesh as decode_mesh
@@ -106,7 +116,8 @@ class Server:
   prompts take several); round_steps: steps between two host round trips
   (a fixed window; a policy brings its own); mesh: the mesh to decode on (None: one
   device); tokenizer: decodes the text stop strings are found in (and
-  `Completion.text`); max_stop_ids: stop ids a request may give.
+  `Completion.text`); max_stop_ids: stop ids a request may give; max_window: the
+  largest window a request may fix (default: the policy's largest).
   """
 
   def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,
@@ -116,16 +127,17 @@ class Server:
                metric: Metric = "probability", prefill_chunk: int = 64,
                round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME,
                mesh: Mesh | None = None, tokenizer=None,
-               max_stop_ids: int = loop.STOP_BUCKET):
+               max_stop_ids: int = loop.STOP_BUCKET, max_window: int | None = None):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, round_steps=round_steps))
-    batching.check_args(config, window=max(self.policy.windows), mode=mode,
+    self.max_window = max_window or max(self.policy.windows)
+    batching.check_args(config, window=self.max_window, mode=mode,
                         mask_token_id=mask_token_id)
     gates.metric_ids(metric, 1)
     self.max_batch = decode_mesh.batch_rows(batch_size, mesh)
     self.min_batch = min(decode_mesh.batch_rows(min_batch_size or batch_size, mesh),
                          self.max_batch)
-    if prefill_chunk < max(self.policy.windows):
+    if prefill_chunk < self.max_window:
       raise ValueError(f"prefill_chunk={prefill_chunk} is below the largest window.")
     if mesh is not None:
       params = decode_mesh.place_params(config, params, mesh, runtime)
@@ -147,7 +159,9 @@ class Server:
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
     self._streamed: dict[int, int] = {}
+    self._cancelled: set[int] = set()
     self._next_id = 0
+    self.window = 0          # the W of the last round (0: none ran yet)
 
   @classmethod
   def from_model(cls, model, **kwargs) -> "Server":
@@ -167,21 +181,31 @@ class Server:
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, tau: float | None = None,
              metric: Metric | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None,
-             stop_token_ids: Sequence[int] = ()) -> int:
-    """Queues a request; -> its id. tau, metric default to the server's; the sampling
-    controls, stop strings and stop ids are as `sampling.generate`'s. Raises
-    ValueError on a request the server cannot serve, before queueing it."""
+             stop_token_ids: Sequence[int] = (), window: int | str = "auto",
+             mode: Mode | None = None) -> int:
+    """Queues a request; -> its id. tau, metric, mode default to the server's; window:
+    "auto" (the round's W) or a fixed W in [1, max_window]; the sampling controls, stop
+    strings and stop ids are as `sampling.generate`'s. Raises ValueError on a request
+    the server cannot serve, before queueing it."""
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
     batching.check_prompt_ids(self.config, [prompt])
-    need = len(prompt) + max_new_tokens + max(self.policy.windows) - 1
+    need = len(prompt) + max_new_tokens + self.max_window - 1
     if need > self.max_len:
       raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + W - 1 "
                        f"= {need} exceeds the server's max_len={self.max_len}.")
+    if window != "auto" and not (isinstance(window, (int, np.integer))
+                                 and 1 <= window <= self.max_window):
+      raise ValueError(f"window={window!r}; expected 'auto' or an int in [1, "
+                       f"{self.max_window}] (the server's max_window).")
+    mode = self.mode if mode is None else mode
+    choices.check(Mode, mode, "mode")
     controls = dict(tau=float(self.tau if tau is None else tau),
                     metric=self.metric if metric is None else metric,
                     temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                    seed=int(seed), stop_token_ids=[int(t) for t in stop_token_ids])
+                    seed=int(seed), stop_token_ids=[int(t) for t in stop_token_ids],
+                    window=0 if window == "auto" else int(window),
+                    lossless=mode == "lossless")
     batching.controls(1, 1, stop_width=self.max_stop_ids, **controls)  # raises on bad ones
     stop_strings = stops.check_stops(stop, 1)[0]
     if stop_strings and self.tokenizer is None:
@@ -194,6 +218,33 @@ class Server:
     self._streamed[request.request_id] = 0
     self._next_id += 1
     return request.request_id
+
+  def cancel(self, request_id: int) -> bool:
+    """Drops a queued request, or ends a running one at the next `step` (no `Completion`
+    either way); -> whether the request was queued or running."""
+    if request_id not in self._requests:
+      return False
+    queued = [r for r in self.queue if r.request_id == request_id]
+    if queued:
+      self.queue.remove(queued[0])
+      self._forget(request_id)
+    else:
+      self._cancelled.add(request_id)
+    return True
+
+  def _forget(self, request_id: int) -> None:
+    del self._requests[request_id], self._streamed[request_id]
+
+  def _drop_cancelled(self) -> None:
+    """Ends the running requests `cancel` was called on and frees their rows."""
+    rows = np.asarray([r in self._cancelled for r in self.slots])
+    self._cancelled.clear()
+    if not rows.any():
+      return
+    self.state = loop.stop(self.state, rows, np.zeros(rows.shape, np.int32), mesh=self.mesh)
+    for row in np.flatnonzero(rows):
+      self._forget(self.slots[row])
+      self.slots[row] = None
 
   def _resize(self) -> None:
     """Moves the active rows to the bucket the load asks for (see the module doc)."""
@@ -234,16 +285,20 @@ class Server:
     return width, math.ceil(max(len(r.prompt) for r in started) / width)
 
   def step(self) -> list[Update]:
-    """One round: resize, refill, decode, stream (see the module doc)."""
+    """One round: cancel, resize, refill, decode, stream (see the module doc)."""
+    self._drop_cancelled()
     self._resize()
     width, prefill_steps = self._refill()
     if not self.active:
       return []
-    self.state, _, _ = rounds.run_round(
+    live = [self._requests[r].controls for r in self.slots if r is not None]
+    mode = "lossless" if any(c["lossless"] for c in live) else "gated"
+    self.state, self.window, _ = rounds.run_round(
         self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
-        mask_token_id=self.mask_token_id, mode=self.mode, measure=self.measure,
+        mask_token_id=self.mask_token_id, mode=mode, measure=self.measure,
         real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),
-        scan=self.scan, runtime=self.runtime, mesh=self.mesh)
+        min_window=max(c["window"] for c in live), scan=self.scan, runtime=self.runtime,
+        mesh=self.mesh)
     return self._harvest()
 
   def _harvest(self) -> list[Update]:
@@ -268,6 +323,7 @@ class Server:
             stopped=self.scan.stopped[row])
         self.completed[rid] = Completion(rid, tokens, int(forwards[row]), reason, text)
         del self._streamed[rid]
+        self._cancelled.discard(rid)
         self.slots[row] = None
     return updates
 

@@ -1,0 +1,119 @@
+"""`python -m mars_jax.serve`: the OpenAI-compatible HTTP server (docs/serving.md).
+
+  python -m mars_jax.serve --model HF_DIR_OR_RUN [--host 127.0.0.1] [--port 8000]
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "NAME", "messages": [{"role": "user", "content": "2+3?"}]}'
+
+One decoding loop owns the device (`mars_jax.serve.engine`): requests join free rows
+of the running batch between rounds, each with its own tau, window, gate and mode (body
+fields; their defaults here). --window auto (the default) picks W every round from the
+live batch (`WindowPolicy` over --windows), measuring each compiled shape's step cost
+once per process (or reading --cost-table). SIGTERM or Ctrl-C stops admitting, lets
+in-flight requests finish for up to --shutdown-timeout seconds, then cancels the rest
+and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from mars_jax import choices
+from mars_jax.choices import Metric, Mode
+from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.decoding.window_policy import WindowPolicy
+from mars_jax.loading import load_model, warn_untrained_windows
+from mars_jax.models.qwen2 import Runtime
+
+DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m mars_jax.serve", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", required=True, help="HF directory, or RUN_DIR[/STEP]")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--served-model-name", default=None,
+                 help="the name clients pass as 'model' (default: the model directory's name)")
+  p.add_argument("--window", default="auto",
+                 help="'auto' (load-aware W every round) or a fixed W for every round")
+  p.add_argument("--windows", default="1,2,3,5", help="the W that --window auto picks among")
+  p.add_argument("--max-window", type=int, default=None,
+                 help="the largest window a request may fix (default: the largest W the "
+                      "server runs)")
+  p.add_argument("--mode", choices=choices.values(Mode), default="lossless",
+                 help="default mode of a request: lossless (output equal to AR) or gated")
+  p.add_argument("--tau", type=float, default=1.0, help="default gate threshold (gated mode)")
+  p.add_argument("--gate", choices=choices.values(Metric), default="probability",
+                 help="default gate metric (gated mode)")
+  p.add_argument("--batch-size", type=int, default=16, help="rows of the batch at full load")
+  p.add_argument("--min-batch-size", type=int, default=1,
+                 help="rows at the lightest load (the batch grows in powers of two)")
+  p.add_argument("--max-len", type=int, default=None,
+                 help="KV-cache slots per row: prompt + completion + W - 1 of any request "
+                      f"(default: the model's context, at most {DEFAULT_MAX_CONTEXT}, + W - 1)")
+  p.add_argument("--round-steps", type=int, default=8,
+                 help="decoding steps between two admissions (a fixed --window)")
+  p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
+  p.add_argument("--cost-table", default=None,
+                 help="JSON of step costs: read at start when it exists, written at exit")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+  p.add_argument("--mesh", default=None, help="decode on a mesh, e.g. tensor=8 (see generate)")
+  p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                 help="seconds in-flight requests get to finish after SIGTERM")
+  p.add_argument("--log-level", default="info",
+                 choices=["critical", "error", "warning", "info", "debug"])
+  return p
+
+
+def build(args):
+  """-> (engine, app) for parsed arguments (the model loaded, nothing started)."""
+  from mars_jax.serve.app import create_app
+  from mars_jax.serve.engine import Engine
+  from mars_jax.serve.server import Server
+
+  windows = sorted({int(w) for w in args.windows.split(",")})
+  fixed = None if args.window == "auto" else int(args.window)
+  runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
+  model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
+  largest = max([fixed] if fixed else windows)
+  max_window = args.max_window or largest
+  warn_untrained_windows(args.model, [max(largest, max_window)])
+  policy = fixed or WindowPolicy(
+      windows, costs=args.cost_table if args.cost_table and os.path.exists(args.cost_table)
+      else None)
+  context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+  server = Server.from_model(
+      model, batch_size=args.batch_size, min_batch_size=args.min_batch_size,
+      max_len=args.max_len or context + max(largest, max_window) - 1, window=policy,
+      mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
+      round_steps=args.round_steps, max_window=max_window)
+  engine = Engine(server)
+  name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+  return engine, create_app(engine, model_name=name, tokenizer=model.tokenizer,
+                            eos_token_ids=model.eos_token_ids)
+
+
+def main(argv=None) -> None:
+  p = parser()
+  args = p.parse_args(argv)
+  logging.basicConfig(level=args.log_level.upper(),
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  if args.window != "auto" and not args.window.isdigit():
+    p.error(f"--window={args.window!r}; expected 'auto' or an int >= 1.")
+  try:
+    engine, app = build(args)
+  except (ValueError, FileNotFoundError) as e:
+    p.exit(2, f"{p.prog}: error: {e}\n")
+  import uvicorn
+  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+              timeout_graceful_shutdown=args.shutdown_timeout)
+  policy = engine.server.policy
+  if args.cost_table and isinstance(policy, WindowPolicy):
+    policy.costs.save(args.cost_table)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,271 @@
+"""The OpenAI wire format: request bodies checked field by field, responses and stream
+chunks built (pure functions; no HTTP here, see `mars_jax.serve.app`).
+
+  spec = parse_completion(body, model_name="tiny")      # RequestError: HTTP 400
+  spec = parse_chat(body, model_name="tiny")
+  completion_response(spec, rid, text, reason, usage)   # -> dict (JSON)
+  chunk(spec, rid, delta, reason)                       # -> one stream chunk (dict)
+
+A body is checked the way the OpenAI API checks it: every field known, of its type and
+in its range, else a `RequestError` naming the field (`param`) that `error_body` turns
+into {"error": {"message", "type", "param", "code"}}. Fields the engine cannot honour
+(logprobs, penalties, n > 1, echo, tools) are refused with a message saying so rather
+than ignored. MARS's own knobs are extra fields: tau, window ("auto" or an int), gate
+(the gate metric), mode ("gated" or "lossless"), plus top_k and stop_token_ids as
+vLLM has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+from typing import Any
+
+from mars_jax import choices
+from mars_jax.choices import Metric, Mode
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # what the OpenAI completions API defaults to
+SEED_RANGE = 1 << 32
+
+
+class RequestError(ValueError):
+  """A request the server refuses: HTTP `status` with an OpenAI-style error body."""
+
+  def __init__(self, message: str, param: str | None = None, status: int = 400,
+               kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.param, self.status, self.kind = param, status, kind
+
+
+def error_body(message: str, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+  return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One checked request. chat: messages (role/content) else prompt (text or ids);
+  max_tokens None: as many as fit; window: "auto" or an int; tau, gate, mode None:
+  the server's defaults; seed: always set (drawn at random when the body has none)."""
+  chat: bool
+  model: str
+  prompt: str | list[int] | None
+  messages: list[dict] | None
+  max_tokens: int | None
+  temperature: float
+  top_p: float
+  top_k: int
+  stop: tuple[str, ...]
+  stop_token_ids: tuple[int, ...]
+  seed: int
+  stream: bool
+  include_usage: bool
+  tau: float | None
+  window: int | str
+  gate: str | None
+  mode: str | None
+  created: int
+  id: str
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _typed(body: dict, name: str, check, expected: str, default=None):
+  """body[name] when present and not null (default otherwise), else RequestError."""
+  value = body.get(name)
+  if value is None:
+    return default
+  if not check(value):
+    raise RequestError(f"'{name}' must be {expected}; got {type(value).__name__} "
+                       f"{value!r}.", name)
+  return value
+
+
+def _ranged(name: str, value, ok: bool, expected: str):
+  if not ok:
+    raise RequestError(f"'{name}'={value!r} is out of range; it must be {expected}.", name)
+  return value
+
+
+# Fields accepted and honoured, besides the endpoint's own (prompt / messages).
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop",
+                 "stop_token_ids", "seed", "n", "stream", "stream_options", "tau", "window",
+                 "gate", "mode", "user"}
+# Fields accepted only at their no-op value (the engine has no such feature).
+NO_OP = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+         "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+         "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+         "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
+         "parallel_tool_calls": (None, False), "service_tier": (None, "auto", "default")}
+
+
+def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict:
+  unknown = sorted(set(body) - COMMON_FIELDS - set(NO_OP) - extra)
+  if unknown:
+    raise RequestError(f"unrecognized request argument supplied: '{unknown[0]}'.", unknown[0])
+  for name, allowed in NO_OP.items():
+    if name in body and body[name] not in allowed:
+      raise RequestError(f"'{name}'={body[name]!r} is not supported by this server; omit "
+                         "it.", name)
+  model = _typed(body, "model", lambda v: isinstance(v, str), "a string")
+  if model is None:
+    raise RequestError("'model' is required (GET /v1/models lists it).", "model")
+  if model != model_name:
+    raise RequestError(f"model '{model}' does not exist; this server serves "
+                       f"'{model_name}'.", "model")
+  n = _typed(body, "n", _is_int, "an integer", 1)
+  _ranged("n", n, n == 1, "1 (one choice per request; send n requests with seeds for more)")
+  max_tokens = _typed(body, "max_tokens", _is_int, "an integer")
+  if chat and body.get("max_completion_tokens") is not None:
+    max_tokens = _typed(body, "max_completion_tokens", _is_int, "an integer")
+  if max_tokens is not None:
+    _ranged("max_tokens", max_tokens, max_tokens >= 1, ">= 1")
+  elif not chat:
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+  temperature = float(_typed(body, "temperature", _is_number, "a number", 1.0))
+  _ranged("temperature", temperature, 0 <= temperature, ">= 0 (0: greedy)")
+  top_p = float(_typed(body, "top_p", _is_number, "a number", 1.0))
+  _ranged("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+  top_k = _typed(body, "top_k", _is_int, "an integer", 0)
+  top_k = 0 if top_k == -1 else top_k           # vLLM's "off"
+  _ranged("top_k", top_k, top_k >= 0, ">= 0 (0 or -1: off)")
+  stop = _typed(body, "stop", lambda v: isinstance(v, str) or (
+      isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of "
+      "strings", [])
+  stop = [stop] if isinstance(stop, str) else stop
+  _ranged("stop", stop, all(stop), "non-empty strings")
+  stop_ids = _typed(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
+      _is_int(t) for t in v), "a list of integers", [])
+  seed = _typed(body, "seed", _is_int, "an integer")
+  if seed is not None:
+    _ranged("seed", seed, 0 <= seed < SEED_RANGE, "in [0, 2**32)")
+  stream = _typed(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+  options = _typed(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+  bad = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+  if bad:
+    raise RequestError(f"unrecognized stream_options field '{bad[0]}'.", "stream_options")
+  include_usage = options.get("include_usage", False)
+  if not isinstance(include_usage, bool):
+    raise RequestError("'stream_options.include_usage' must be a boolean.", "stream_options")
+  tau = _typed(body, "tau", _is_number, "a number")
+  if tau is not None:
+    _ranged("tau", tau, 0 <= tau <= 1, "in [0, 1] (1: exact AR under the gate)")
+  window = _typed(body, "window", lambda v: v == "auto" or _is_int(v),
+                  "'auto' or an integer", "auto")
+  gate = _typed(body, "gate", lambda v: isinstance(v, str), "a string")
+  if gate is not None:
+    _ranged("gate", gate, gate in choices.values(Metric), f"one of {choices.values(Metric)}")
+  mode = _typed(body, "mode", lambda v: isinstance(v, str), "a string")
+  if mode is not None:
+    _ranged("mode", mode, mode in choices.values(Mode), f"one of {choices.values(Mode)}")
+  _typed(body, "user", lambda v: isinstance(v, str), "a string")
+  prefix = "chatcmpl" if chat else "cmpl"
+  return dict(chat=chat, model=model, max_tokens=max_tokens, temperature=temperature,
+              top_p=top_p, top_k=top_k, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+              seed=secrets.randbelow(SEED_RANGE) if seed is None else seed, stream=stream,
+              include_usage=include_usage, tau=None if tau is None else float(tau),
+              window=window, gate=gate, mode=mode, created=int(time.time()),
+              id=f"{prefix}-{uuid.uuid4().hex}")
+
+
+def _body(body: Any) -> dict:
+  if not isinstance(body, dict):
+    raise RequestError(f"the request body must be a JSON object; got "
+                       f"{type(body).__name__}.")
+  return body
+
+
+def parse_completion(body: Any, *, model_name: str) -> Spec:
+  """POST /v1/completions: prompt is a string, a list of token ids, or a one-element
+  list of either (one prompt per request)."""
+  body = _body(body)
+  prompt = body.get("prompt")
+  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    prompt = prompt[0]
+  if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    pass
+  elif not (isinstance(prompt, str) and prompt):
+    raise RequestError("'prompt' must be a non-empty string or a non-empty list of token "
+                       "ids (one prompt per request).", "prompt")
+  return Spec(prompt=prompt, messages=None,
+              **_common(body, chat=False, model_name=model_name, extra={"prompt"}))
+
+
+def _content(message: dict, i: int) -> str:
+  content = message.get("content")
+  if isinstance(content, str):
+    return content
+  if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in content):
+    return "".join(p["text"] for p in content)
+  raise RequestError(f"'messages[{i}].content' must be a string or a list of text parts.",
+                     f"messages[{i}].content")
+
+
+def parse_chat(body: Any, *, model_name: str) -> Spec:
+  """POST /v1/chat/completions: messages, a non-empty list of {role, content} turns
+  (content a string, or a list of {"type": "text", "text"} parts)."""
+  body = _body(body)
+  messages = body.get("messages")
+  if not (isinstance(messages, list) and messages):
+    raise RequestError("'messages' must be a non-empty list of {role, content} objects.",
+                       "messages")
+  turns = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+      raise RequestError(f"'messages[{i}]' must be an object with a string 'role'.",
+                         f"messages[{i}]")
+    turns.append({"role": m["role"], "content": _content(m, i)})
+  return Spec(prompt=None, messages=turns,
+              **_common(body, chat=True, model_name=model_name,
+                        extra={"messages", "max_completion_tokens"}))
+
+
+def finish_reason(reason: str) -> str:
+  """The engine's "eos" / "stop" / "length" as OpenAI names them ("stop", "length")."""
+  return "length" if reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, forwards: int) -> dict:
+  """OpenAI's usage, plus the request's forwards and tokens per forward."""
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens, "forwards": forwards,
+          "tokens_per_forward": round(completion_tokens / max(forwards, 1), 4)}
+
+
+def completion_response(spec: Spec, text: str, reason: str, use: dict) -> dict:
+  """The non-streamed answer (a text or a chat completion object)."""
+  if spec.chat:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": None, "finish_reason": finish_reason(reason)}
+  else:
+    choice = {"index": 0, "text": text, "logprobs": None,
+              "finish_reason": finish_reason(reason)}
+  return {"id": spec.id, "object": "chat.completion" if spec.chat else "text_completion",
+          "created": spec.created, "model": spec.model, "choices": [choice], "usage": use}
+
+
+def chunk(spec: Spec, delta: str | None, reason: str | None = None, *,
+          first: bool = False, use: dict | None = None) -> dict:
+  """One stream chunk: a text delta (first: the chat chunk that carries the role), the
+  last one with its finish reason, or (use) the usage chunk, which has no choices."""
+  obj = "chat.completion.chunk" if spec.chat else "text_completion"
+  out = {"id": spec.id, "object": obj, "created": spec.created, "model": spec.model}
+  if use is not None:
+    return {**out, "choices": [], "usage": use}
+  finish = None if reason is None else finish_reason(reason)
+  if spec.chat:
+    message = {"role": "assistant", "content": ""} if first else (
+        {} if delta is None else {"content": delta})
+    choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}
+  else:
+    choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+  return {**out, "choices": [choice]}

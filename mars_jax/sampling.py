@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding import batching, loop, rounds, stops
+from mars_jax.decoding import batching, loop, rounds, stops, timing
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.batching import GenerateResult
 from mars_jax.decoding.loop import DecodeState
@@ -76,7 +76,9 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   or one per prompt); mask_token_id: the `<|mask|>` id; eos_token_ids: one id or
   several (may be empty); window: W proposals per forward, 1 <= W <= block size
   + 1, or "auto": chosen before every round of steps by `policy` (a
-  `WindowPolicy`; a fresh one, which measures its step costs first, by default);
+  `WindowPolicy`; by default a fresh one over the process's cost table for this model
+  shape (`timing.shared_costs`: each compiled variant's step cost is measured once per
+  process, on its first need));
   tau, metric: the gate (see `mars_jax.decoding.gates`), one, or one per prompt;
   mode: "gated" (MASK proposals committed while their gate holds) or "lossless"
   (drafts verified by the next forward; tau and metric unused).
@@ -108,7 +110,9 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   stopped = [False] * len(prompts)
   if window == "auto" or policy is not None or any(stop_rows):
     batching.check_prompts(config, prompts, max_new_tokens)
-    policy = policy or (WindowPolicy() if window == "auto" else FixedWindow(int(window)))
+    policy = policy or (WindowPolicy(costs=timing.shared_costs(config, mode=mode,
+                                                               runtime=runtime, mesh=mesh))
+                        if window == "auto" else FixedWindow(int(window)))
     batching.check_args(config, window=max(policy.windows), mode=mode,
                         mask_token_id=mask_token_id)
     if mesh is not None:

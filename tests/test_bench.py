@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mars_jax.benchmarks import decode_cost, sample, step
+from mars_jax.benchmarks import decode_cost, sample, serve_load, step
 
 
 @pytest.mark.slow  # ~40 s; the closing notes run the README's bench commands as written
@@ -45,3 +45,18 @@ def test_bench_step_tiny_shape_unrolled(capsys):
   assert set(rows) == {"ours ar_sft", "ours mars"}
   assert all(float(r[-3]) > 0 for r in rows.values())        # ms/step measured
   assert "naive/chunked" in out
+
+
+@pytest.mark.slow  # 80-110 s on 2 cores: two servers start, compile, calibrate and serve
+def test_bench_serve_on_the_toy(tmp_path):
+  out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+  serve_load.main(["--clients", "1,2", "--max-tokens", "8", "--requests-per-client", "1",
+                   "--windows", "1,2", "--train-steps", "20", "--repeats", "2",
+                   "--out", str(out), "--plot", str(png)])
+  result = json.loads(out.read_text())
+  assert [r["clients"] for r in result["rows"]] == [1, 2] and png.stat().st_size > 0
+  assert all(s["exit_code"] == 0 for s in result["servers"].values())  # clean SIGTERM exit
+  for r in result["rows"]:
+    assert all(r[kind]["tokens_per_s"] > 0 for kind in ("auto", "w1", "transformers"))
+    assert r["same_text_as_w1"] and r["compared"] == r["clients"]  # lossless: exact AR
+    assert r["auto"]["tokens_per_forward"] >= 1 and r["w1"]["tokens_per_forward"] == 1

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mars_jax import objective
+from mars_jax import hf, objective
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import Qwen2Config
 
@@ -88,3 +88,37 @@ def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 
     params, opt_state, _ = step(params, opt_state, batch(cycle, rng, rows, length))
   return Toy(CONFIG, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.DEFAULT_RUNTIME),
              cycle, MASK_ID)
+
+
+EOS_ID = 0  # never in the cycle (drawn from 1..MASK_ID-1), so EOS never cuts a continuation
+EOS_TOKEN = "<|endoftext|>"
+
+
+def tokenizer():
+  """A `PreTrainedTokenizerFast` with one token per id: EOS at EOS_ID, " c{i}" for every
+  other id below MASK_ID and `<|mask|>` at MASK_ID, so ids decode to " c5 c6 c7".
+
+  Byte-level BPE as Qwen2's: transformers 5 loads the tokenizer of a qwen2 config.json
+  as `Qwen2Tokenizer` whatever tokenizer_config.json names, which keeps the vocabulary
+  and rebuilds a byte-level pre-tokenizer and decoder around it; this one decodes the
+  same under either. No merges: it decodes ids, it does not encode text."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+  vocab = {EOS_TOKEN if i == EOS_ID else f"\u0120c{i}": i for i in range(MASK_ID)}  # Ġ: " "
+  backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges=[]))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN,
+                                pad_token=EOS_TOKEN)
+  tok.add_tokens([hf.MASK_TOKEN], special_tokens=True)  # the next id: MASK_ID
+  return tok
+
+
+def export(t: Toy, directory: str) -> str:
+  """Writes the trained toy as an HF directory (float32 weights, bos/eos EOS_ID, the
+  `tokenizer()`) that `python -m mars_jax.serve --model` and transformers'
+  `AutoModelForCausalLM.from_pretrained` load. -> `directory`."""
+  config = dataclasses.replace(t.config, bos_token_id=EOS_ID, eos_token_id=EOS_ID)
+  hf.save_pretrained(config, t.params, directory, tokenizer=tokenizer(), dtype="float32",
+                     source={"model": "mars_jax.benchmarks.toy"})
+  return directory

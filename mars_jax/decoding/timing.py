@@ -12,7 +12,9 @@ from jax.sharding import Mesh
 from mars_jax.choices import Mode
 from mars_jax.decoding import batching, loop
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.decoding.window_policy import Measure
+from mars_jax.decoding.window_policy import CostTable, Measure
+
+_COSTS: dict[tuple, CostTable] = {}
 
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
@@ -57,3 +59,13 @@ def measure_fn(config: Qwen2Config, params, *, mode: Mode, mask_token_id: int,
                         mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime,
                         mesh=mesh)
   return measure
+
+
+def shared_costs(config: Qwen2Config, *, mode: Mode, runtime: Runtime = DEFAULT_RUNTIME,
+                 mesh: Mesh | None = None) -> CostTable:
+  """The process's cost table for a model shape, mode, runtime and mesh: a step's cost
+  depends on the shapes, not on the weights' values, so every `WindowPolicy` made for
+  the same model (one per `sampling.generate(window="auto")` call) reads and fills one
+  table, and each compiled variant is measured once per process."""
+  meta = {"mode": mode, "backend": jax.default_backend()}
+  return _COSTS.setdefault((config, mode, runtime, mesh), CostTable(meta=meta))

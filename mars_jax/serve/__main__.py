@@ -18,15 +18,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 from mars_jax import choices
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import WindowPolicy
-from mars_jax.loading import load_model, warn_untrained_windows
+from mars_jax.loading import load_model, trained_block_size, warn_untrained_windows
 from mars_jax.models.qwen2 import Runtime
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
+DEFAULT_WINDOWS = (1, 2, 3, 5)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +41,9 @@ def parser() -> argparse.ArgumentParser:
                  help="the name clients pass as 'model' (default: the model directory's name)")
   p.add_argument("--window", default="auto",
                  help="'auto' (load-aware W every round) or a fixed W for every round")
-  p.add_argument("--windows", default="1,2,3,5", help="the W that --window auto picks among")
+  p.add_argument("--windows", default=None,
+                 help="the W that --window auto picks among (default: 1,2,3,5, cut to the "
+                      "block size + 1 that a MARS run records, which it then includes)")
   p.add_argument("--max-window", type=int, default=None,
                  help="the largest window a request may fix (default: the largest W the "
                       "server runs)")
@@ -55,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                  help="KV-cache slots per row: prompt + completion + W - 1 of any request "
                       f"(default: the model's context, at most {DEFAULT_MAX_CONTEXT}, + W - 1)")
   p.add_argument("--round-steps", type=int, default=8,
-                 help="decoding steps between two admissions (a fixed --window)")
+                 help="decoding steps per round: between two admissions and two stream "
+                      "updates")
   p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
   p.add_argument("--cost-table", default=None,
                  help="JSON of step costs: read at start when it exists, written at exit")
@@ -68,13 +73,22 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def default_windows(path: str) -> list[int]:
+  """1, 2, 3, 5, cut to B + 1 (and B + 1 added) for a MARS run of block size B."""
+  block = trained_block_size(path)
+  if block is None:
+    return list(DEFAULT_WINDOWS)
+  return sorted({w for w in DEFAULT_WINDOWS if w <= block + 1} | {block + 1})
+
+
 def build(args):
   """-> (engine, app) for parsed arguments (the model loaded, nothing started)."""
   from mars_jax.serve.app import create_app
   from mars_jax.serve.engine import Engine
   from mars_jax.serve.server import Server
 
-  windows = sorted({int(w) for w in args.windows.split(",")})
+  windows = (sorted({int(w) for w in args.windows.split(",")}) if args.windows
+             else default_windows(args.model))
   fixed = None if args.window == "auto" else int(args.window)
   runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
   model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
@@ -83,7 +97,7 @@ def build(args):
   warn_untrained_windows(args.model, [max(largest, max_window)])
   policy = fixed or WindowPolicy(
       windows, costs=args.cost_table if args.cost_table and os.path.exists(args.cost_table)
-      else None)
+      else None, round_steps=args.round_steps)
   context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
   server = Server.from_model(
       model, batch_size=args.batch_size, min_batch_size=args.min_batch_size,
@@ -100,7 +114,7 @@ def main(argv=None) -> None:
   p = parser()
   args = p.parse_args(argv)
   logging.basicConfig(level=args.log_level.upper(),
-                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
   if args.window != "auto" and not args.window.isdigit():
     p.error(f"--window={args.window!r}; expected 'auto' or an int >= 1.")
   try:
@@ -108,6 +122,11 @@ def main(argv=None) -> None:
   except (ValueError, FileNotFoundError) as e:
     p.exit(2, f"{p.prog}: error: {e}\n")
   import uvicorn
+  # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for
+  # the handler it found: a no-op here, so the process ends by returning (exit status 0)
+  # after the cost table is saved.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: None)
   uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
               timeout_graceful_shutdown=args.shutdown_timeout)
   policy = engine.server.policy

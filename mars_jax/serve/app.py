@@ -49,9 +49,12 @@ def encode(tokenizer, spec: Spec) -> list[int]:
       return chat_prompt_ids(tokenizer, spec.messages)
     except Exception as e:  # the template refused the turns (roles, order)
       raise RequestError(f"the chat template refused 'messages': {e}", "messages") from e
-  if isinstance(spec.prompt, str):
-    return tokenizer.encode(spec.prompt, add_special_tokens=False)
-  return list(spec.prompt)
+  ids = (tokenizer.encode(spec.prompt, add_special_tokens=False)
+         if isinstance(spec.prompt, str) else list(spec.prompt))
+  if not ids:
+    raise RequestError("'prompt' encodes to no tokens with this model's tokenizer.",
+                       "prompt")
+  return ids
 
 
 def submit_kwargs(engine: Engine, spec: Spec, prompt: list[int]) -> dict:

@@ -19,7 +19,9 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      (`loop.insert`), without touching the other rows; the new prompts are
      prefilled by the round's first steps, `prefill_chunk` tokens wide, while
      the other rows keep decoding in the same forwards;
-  3. decode: the policy picks W (at least the largest window a live request fixed);
+  3. decode: the policy picks W, at least the largest window a live request fixed
+     (rounded up to one of the policy's windows or max_window, which bounds the
+     compiled variants);
      the loop runs `round_steps` steps, ending early when a row finishes and requests
      are waiting. Requests with window "auto" take the round's W; one with a fixed
      window commits at most that many tokens per forward. The round runs the
@@ -293,11 +295,13 @@ class Server:
       return []
     live = [self._requests[r].controls for r in self.slots if r is not None]
     mode = "lossless" if any(c["lossless"] for c in live) else "gated"
+    fixed = max(c["window"] for c in live)  # the largest window a live request fixed
+    floor = min(w for w in (*self.policy.windows, self.max_window) if w >= fixed)
     self.state, self.window, _ = rounds.run_round(
         self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
         mask_token_id=self.mask_token_id, mode=mode, measure=self.measure,
         real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),
-        min_window=max(c["window"] for c in live), scan=self.scan, runtime=self.runtime,
+        min_window=floor, scan=self.scan, runtime=self.runtime,
         mesh=self.mesh)
     return self._harvest()
 

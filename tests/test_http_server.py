@@ -1,0 +1,328 @@
+"""The OpenAI-compatible server through real clients: `python -m mars_jax.serve` in a
+subprocess on 127.0.0.1 (a free port), over a tiny random Qwen2 that transformers wrote
+with the real Qwen2.5 vocabulary and chat template; the official `openai` package, raw
+HTTP (httpx) for what a client library would not send, and lm-eval's
+`local-chat-completions` model.
+
+Sampled requests here use temperature alone: top-k and top-p sort the 151936 logits of
+every slot, which XLA's CPU backend does in about 2 s per step at 8 rows x 5 slots
+(tests/test_sampled_decoding.py covers the cut).
+
+The server runs 8 rows, W in {1, 3} for "auto" and windows up to 3 per request, so one
+batch mixes every kind of request (a round runs at W = 1 or 3: few compilations). The last test stops it with SIGTERM.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from qwen_tokenizers import make_qwen_checkpoint
+import user_path_fixtures as fx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "tiny-qwen"
+PROMPTS = ["Tell me a story.", "What is 2+3?", "List three colours:", "Bonjour, ça va ?"]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Live:
+  def __init__(self, path, tmp):
+    self.path, self.port = path, free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.log = open(tmp / "server.log", "w+")
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "mars_jax.serve", "--model", path, "--port", str(self.port),
+         "--served-model-name", NAME, "--batch-size", "8", "--min-batch-size", "8",
+         "--windows", "1,3", "--max-window", "3", "--max-len", "160",
+         "--shutdown-timeout", "60", "--log-level", os.environ.get("MARS_SERVE_LOG", "warning")],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}, cwd=ROOT,
+        stdout=self.log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+      if self.proc.poll() is not None:
+        raise AssertionError(f"the server exited ({self.proc.returncode}):\n{self.output()}")
+      try:
+        if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+          return
+      except httpx.TransportError:
+        pass
+      time.sleep(0.5)
+    raise AssertionError(f"the server did not come up:\n{self.output()}")
+
+  def output(self) -> str:
+    self.log.flush()
+    self.log.seek(0)
+    return self.log.read()[-4000:]
+
+  def client(self) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                         timeout=300)
+
+  def metrics(self) -> dict[str, float]:
+    text = httpx.get(f"{self.url}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+      if line and not line.startswith("#"):
+        name, value = line.rsplit(" ", 1)
+        key = name.split("{")[0]
+        out[key] = out.get(key, 0) + float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("http")
+  server = Live(make_qwen_checkpoint(tmp / "hf", "qwen2.5"), tmp)
+  yield server
+  if server.proc.poll() is None:
+    server.proc.terminate()
+    server.proc.wait(120)
+  server.log.close()
+
+
+def complete(client, prompt, *, stream=False, **kw):
+  """A text completion -> (text, finish_reason, usage)."""
+  kw = {"max_tokens": 16, "temperature": 0.0, **kw}
+  extra = {k: kw.pop(k) for k in ("tau", "window", "mode", "gate", "top_k") if k in kw}
+  if not stream:
+    r = client.completions.create(model=NAME, prompt=prompt, extra_body=extra, **kw)
+    return r.choices[0].text, r.choices[0].finish_reason, r.usage
+  text, reason, use = "", None, None
+  for c in client.completions.create(model=NAME, prompt=prompt, stream=True,
+                                     stream_options={"include_usage": True},
+                                     extra_body=extra, **kw):
+    if c.choices:
+      text += c.choices[0].text
+      reason = c.choices[0].finish_reason or reason
+    if c.usage is not None:
+      use = c.usage
+  return text, reason, use
+
+
+def chat(client, content, *, stream=False, **kw):
+  kw = {"max_tokens": 16, "temperature": 0.0, **kw}
+  extra = {k: kw.pop(k) for k in ("tau", "window", "mode", "gate", "top_k") if k in kw}
+  messages = [{"role": "user", "content": content}]
+  if not stream:
+    r = client.chat.completions.create(model=NAME, messages=messages, extra_body=extra, **kw)
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+  text, reason = "", None
+  for c in client.chat.completions.create(model=NAME, messages=messages, stream=True,
+                                          extra_body=extra, **kw):
+    if c.choices:
+      text += c.choices[0].delta.content or ""
+      reason = c.choices[0].finish_reason or reason
+  return text, reason, None
+
+
+def test_models_health_and_a_chat_reply(live):
+  client = live.client()
+  assert [m.id for m in client.models.list().data] == [NAME]
+  text, reason, use = chat(client, PROMPTS[0], max_tokens=12)
+  assert reason in ("stop", "length") and isinstance(text, str)
+  assert use.prompt_tokens > 0 and 1 <= use.completion_tokens <= 12
+  assert use.model_extra["forwards"] >= 1
+  assert use.model_extra["tokens_per_forward"] == pytest.approx(
+      use.completion_tokens / use.model_extra["forwards"], abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streamed_chunks_concatenate_to_the_answer(live, kind):
+  client = live.client()
+  call = complete if kind == "completion" else chat
+  greedy = call(client, PROMPTS[1], max_tokens=24)
+  sampled = dict(max_tokens=24, temperature=1.0, seed=7)
+  answer = call(client, PROMPTS[3], **sampled)
+  assert call(client, PROMPTS[1], stream=True, max_tokens=24)[:2] == greedy[:2]
+  assert call(client, PROMPTS[3], stream=True, **sampled)[:2] == answer[:2]
+  assert call(client, PROMPTS[3], **sampled)[:2] == answer[:2]   # the seed decides
+  # A stop string inside the sampled text: the answer ends before it, streamed or not.
+  head = answer[0]
+  stop = head[len(head) // 2:len(head) // 2 + 2]
+  if stop.strip():
+    cut = call(client, PROMPTS[3], stop=[stop], **sampled)
+    assert cut[0] == head[:head.index(stop)] and cut[1] == "stop"
+    assert call(client, PROMPTS[3], stream=True, stop=[stop], **sampled)[:2] == cut[:2]
+
+
+def test_lossless_equals_w1_for_every_request(live):
+  client = live.client()
+  for prompt in PROMPTS:
+    for sample in ({}, {"temperature": 0.8, "seed": 3}):
+      ar = complete(client, prompt, window=1, mode="gated", tau=1.0, **sample)
+      for window in ("auto", 3):
+        out = complete(client, prompt, window=window, mode="lossless", **sample)
+        assert out[:2] == ar[:2], (prompt, sample, window)
+
+
+def _mixed_requests():
+  """32 requests: greedy and seeded, gated at several tau and fixed windows, lossless at
+  auto and fixed windows, AR."""
+  kinds = [dict(mode="gated", tau=1.0, window=1),
+           dict(mode="gated", tau=0.5, window=3),
+           dict(mode="gated", tau=0.2, window=3, gate="margin"),
+           dict(mode="lossless", window="auto"),
+           dict(mode="lossless", window=2),
+           dict(mode="gated", tau=0.9, window=2, temperature=0.9, seed=11),
+           dict(mode="lossless", window="auto", temperature=1.0, seed=5),
+           dict(mode="gated", tau=0.3, window=3, temperature=0.7, seed=2)]
+  return [(PROMPTS[i % 4], {"max_tokens": 8 + 3 * (i % 5), **kinds[i % 8]})
+          for i in range(32)]
+
+
+def test_32_concurrent_mixed_requests_equal_each_alone(live):
+  requests = _mixed_requests()
+  client = live.client()
+  alone = [complete(client, p, **dict(kw))[:2] for p, kw in requests]
+
+  async def all_at_once():
+    aclient = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0,
+                                 timeout=300)
+
+    async def one(prompt, kw):
+      kw = {"temperature": 0.0, **kw}
+      extra = {k: kw.pop(k) for k in ("tau", "window", "mode", "gate", "top_k") if k in kw}
+      r = await aclient.completions.create(model=NAME, prompt=prompt, extra_body=extra, **kw)
+      return r.choices[0].text, r.choices[0].finish_reason
+    return await asyncio.gather(*(one(p, dict(kw)) for p, kw in requests))
+
+  together = asyncio.run(all_at_once())
+  assert together == alone
+  m = live.metrics()
+  assert m["mars_requests_running"] == 0 and m["mars_requests_queued"] == 0
+
+
+BAD = [
+    ("completions", b"{not json", None),
+    ("completions", {"model": "other", "prompt": "x"}, "model"),
+    ("completions", {"prompt": "x"}, "model"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": 10_000}, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": "hello " * 400}, "prompt"),
+    ("completions", {"model": NAME, "prompt": [1, 2, 10 ** 9]}, None),
+    ("completions", {"model": NAME, "prompt": ""}, "prompt"),
+    ("completions", {"model": NAME, "prompt": "x", "tau": 1.5}, "tau"),
+    ("completions", {"model": NAME, "prompt": "x", "window": 9}, "window"),
+    ("completions", {"model": NAME, "prompt": "x", "window": "fast"}, "window"),
+    ("completions", {"model": NAME, "prompt": "x", "mode": "exact"}, "mode"),
+    ("completions", {"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),
+    ("completions", {"model": NAME, "prompt": "x", "top_p": 0}, "top_p"),
+    ("completions", {"model": NAME, "prompt": "x", "n": 2}, "n"),
+    ("completions", {"model": NAME, "prompt": "x", "logprobs": 3}, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "x", "stop": [1]}, "stop"),
+    ("completions", {"model": NAME, "prompt": "x", "seed": -1}, "seed"),
+    ("completions", {"model": NAME, "prompt": "x", "colour": "red"}, "colour"),
+    ("chat/completions", {"model": NAME, "messages": "hi"}, "messages"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": 3}]},
+     "messages[0].content"),
+    ("chat/completions", [1, 2], None),
+]
+
+
+def test_bad_requests_are_answered_400_and_the_server_keeps_serving(live):
+  for endpoint, body, param in BAD:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{live.url}/v1/{endpoint}", content=content,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, (body, r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], body
+    assert error["param"] == param, (body, error)
+  with pytest.raises(openai.BadRequestError, match="tau"):
+    live.client().completions.create(model=NAME, prompt="x", extra_body={"tau": -1})
+  text, reason, _ = complete(live.client(), PROMPTS[0], max_tokens=5)
+  assert reason == "length" and text
+
+
+def test_a_disconnect_mid_stream_does_not_stall_the_next_requests(live):
+  before = live.metrics().get("mars_requests_cancelled_total", 0)
+  body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 140, "temperature": 0,
+          "stream": True, "window": 1}
+  with httpx.Client(timeout=60) as http:
+    with http.stream("POST", f"{live.url}/v1/completions", json=body) as r:
+      lines = r.iter_lines()
+      first = next(line for line in lines if line.startswith("data: "))
+      assert json.loads(first[6:])["object"] == "text_completion"
+  start = time.time()
+  for prompt in PROMPTS[:3]:
+    assert complete(live.client(), prompt, max_tokens=6)[1] == "length"
+  assert time.time() - start < 120
+  deadline = time.time() + 30
+  while live.metrics()["mars_requests_cancelled_total"] <= before:
+    assert time.time() < deadline, "the dropped stream was never cancelled"
+    time.sleep(0.2)
+  assert live.metrics()["mars_requests_running"] == 0
+
+
+def test_metrics_count_requests_tokens_and_forwards(live):
+  m0 = live.metrics()
+  _, _, use = complete(live.client(), PROMPTS[2], max_tokens=10, window=3, mode="lossless")
+  m1 = live.metrics()
+  assert m1["mars_generation_tokens_total"] - m0["mars_generation_tokens_total"] == (
+      use.completion_tokens)
+  assert m1["mars_request_forwards_total"] - m0["mars_request_forwards_total"] == (
+      use.model_extra["forwards"])
+  assert m1["mars_requests_total"] == m0["mars_requests_total"] + 1
+  assert m1["mars_window"] >= 1 and m1["mars_tokens_per_forward"] >= 1
+
+
+def test_lm_eval_chat_completions_scores_as_the_in_process_backend(live, tmp_path):
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+
+  from mars_jax import lm_eval as mle
+  mle.write_tasks(str(tmp_path / "tasks"), fx.task_records(5, seed=0, split="test"),
+                  max_gen_toks=12)
+
+  def evaluate(model, model_args):
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args,
+                                  tasks=["synthetic_arith"], task_manager=manager,
+                                  apply_chat_template=True, log_samples=True)
+    samples = sorted(out["samples"]["synthetic_arith"], key=lambda s: s["doc_id"])
+    return out["results"]["synthetic_arith"], [s["resps"] for s in samples]
+
+  local, local_resps = evaluate("mars_jax", {"pretrained": live.path, "batch_size": 8})
+  remote, remote_resps = evaluate(
+      "local-chat-completions", {"model": NAME, "num_concurrent": 2, "max_retries": 1,
+                                 "base_url": f"{live.url}/v1/chat/completions"})
+  assert remote_resps == local_resps
+  assert remote["exact_match,final-number"] == local["exact_match,final-number"]
+
+
+def test_sigterm_finishes_the_stream_in_flight_then_exits(live):
+  body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0,
+          "stream": True, "window": 1}
+  seen, started = [], threading.Event()
+
+  def read():
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=120) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: "):
+          seen.append(line[6:])
+          started.set()
+  reader = threading.Thread(target=read)
+  reader.start()
+  assert started.wait(120)
+  live.proc.send_signal(signal.SIGTERM)
+  reader.join(180)
+  assert live.proc.wait(120) == 0, live.output()
+  assert seen[-1] == "[DONE]"
+  assert json.loads(seen[-2])["choices"][0]["finish_reason"] == "length"
+  with pytest.raises(httpx.TransportError):
+    httpx.get(f"{live.url}/health", timeout=5)

@@ -325,3 +325,35 @@ def test_continuous_batching_lossless_with_load_aware_window(model):
   assert {c[2] for c in policy.choices} == {1, 3}            # the acceptance moved it to 1
   with pytest.raises(ValueError, match="exceeds the server's max_len"):
     server.submit(list(range(60)), max_new_tokens=8)
+
+
+def test_per_request_windows_and_modes_share_a_batch(model):
+  """Gated requests at windows 1..4 and lossless ones in one batch of a W = 1 server
+  (max_window 4: rounds run at W = 4, each row capped at its own window) each get what
+  they get alone at their window; a cancelled request frees its row, leaves no
+  completion and changes nobody's tokens."""
+  config, params = model
+  prompts, budgets = _requests(seed=2, n=7)
+  kinds = [("gated", 2, 0.45), ("lossless", "auto", 1.0), ("gated", 3, 0.3),
+           ("gated", 1, 0.2), ("lossless", 2, 1.0), ("gated", 4, 0.6), ("gated", 3, 0.3)]
+  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
+                        batch_size=4, max_len=64, window=1, max_window=4, prefill_chunk=8,
+                        round_steps=3)
+  doomed = server.submit(prompts[0], max_new_tokens=30, window=3, tau=0.3)
+  ids = [server.submit(p, max_new_tokens=b, tau=t, window=w, mode=m)
+         for p, b, (m, w, t) in zip(prompts, budgets, kinds)]
+  server.step()
+  assert server.window == 4 and server.slots[0] == doomed
+  assert server.cancel(doomed) and not server.cancel(10 ** 6)
+  done = server.run()
+  assert doomed not in done and server.idle
+  for i, (p, b, (mode, w, t)) in enumerate(zip(prompts, budgets, kinds)):
+    if mode == "lossless":
+      want = naive_ar(config, params, p, b, (EOS_NEVER,))
+    else:
+      want = naive_mars(config, params, p, b, (EOS_NEVER,), t, w, "probability")[0]
+    assert done[ids[i]].tokens == want, (i, mode, w)
+  with pytest.raises(ValueError, match="max_window"):
+    server.submit(prompts[0], max_new_tokens=4, window=5)
+  with pytest.raises(ValueError, match="mode"):
+    server.submit(prompts[0], max_new_tokens=4, mode="exact")

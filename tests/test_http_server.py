@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,15 +28,11 @@ import pytest
 from qwen_tokenizers import make_qwen_checkpoint
 import user_path_fixtures as fx
 
+from mars_jax.benchmarks.serve_load import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-qwen"
 PROMPTS = ["Tell me a story.", "What is 2+3?", "List three colours:", "Bonjour, ça va ?"]
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Live:

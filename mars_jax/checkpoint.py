@@ -22,6 +22,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from mars_jax import lora
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, abstract_params, relayout
 from mars_jax.train_step import TrainState
 
@@ -29,7 +30,7 @@ LAYOUT_FILE = "layout.json"
 # Facts that change what a checkpoint means; a resumed run must agree on them.
 _LAYOUT_KEYS = ("model", "objective")
 # Runtime fields a resumed run must keep: the stored tree and the precision it trains at.
-_RUNTIME_KEYS = ("param_dtype", "dtype", "scan_layers")
+_RUNTIME_KEYS = ("param_dtype", "dtype", "scan_layers", "lora")
 
 
 def model_layout(config: Qwen2Config, runtime: Runtime) -> dict[str, Any]:
@@ -211,7 +212,9 @@ def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = N
   params (default: the runtime the run trained with); the params come in its
   param dtype and layer layout. `shardings`: a pytree of `jax.sharding.Sharding`
   matching the stored params (default: all on the first local device). Works on
-  checkpoints written by any number of processes.
+  checkpoints written by any number of processes. A LoRA run's adapters and mask row
+  come merged into the weights (`lora.merge`, in float32), and the runtime returned
+  has no `lora`: every reader of a run computes the adapted model as a plain one.
   """
   run_dir, step = resolve_checkpoint(path)
   config, stored = config_from_layout(read_layout(run_dir))
@@ -223,8 +226,9 @@ def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = N
   with ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), item_names=("params",),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
     out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-  runtime = runtime or stored
-  return config, runtime, relayout(out.params, runtime)
+  params = lora.merge(out.params, stored.lora)
+  runtime = lora.without_lora(runtime or stored)
+  return config, runtime, relayout(params, runtime)
 
 
 def tokenizer_dir(run_dir: str) -> str:

@@ -3,7 +3,9 @@
   run(cfg, workdir) -> summary
 
 Runs the optional AR-SFT stage 1 (WORKDIR/stage1) and the main stage (WORKDIR, or
-WORKDIR/stage2 after a stage 1), resuming each from its latest checkpoint; then,
+WORKDIR/stage2 after a stage 1), resuming each from its latest checkpoint (with
+lora.rank > 0 each trains adapters over the weights it starts from, which are then
+merged for the next stage, the evaluation and the export); then,
 if asked, evaluates on the synthetic test split and exports the final weights to
 WORKDIR/hf. Every process calls it. Fields: see mars_jax/train_config.py.
 
@@ -19,7 +21,7 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from mars_jax import checkpoint, evaluate, hf, train_config, trainer
+from mars_jax import checkpoint, evaluate, hf, lora, train_config, trainer
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.tokenizer import BUILDERS
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model
@@ -97,9 +99,11 @@ def run(cfg, workdir: str) -> dict:
   models = {}
   for name, stage_cfg in stages:
     run_dir = workdir if name == "main" else os.path.join(workdir, name)
-    res = trainer.run_stage(stage_cfg, run_dir, config, runtime, params, tok, mask_id,
+    stage_runtime = train_config.stage_runtime(stage_cfg, runtime, mask_id)
+    res = trainer.run_stage(stage_cfg, run_dir, config, stage_runtime, params, tok, mask_id,
                             generation_config=generation_config)
-    params = res.params
+    # what the next stage, the evaluation and the export start from: adapters merged
+    params = lora.merge(res.params, stage_runtime.lora)
     models[name] = params
     summary["stages"][name] = {"run_dir": run_dir, "wall_s": res.wall_s,
                                "final": res.history[-1] if res.history else None}

@@ -320,7 +320,7 @@ def token_cross_entropy(config: qwen2.Qwen2Config, params: Any, hidden: Array,
   recomputed in the backward pass instead of stored. `chunk_size=None` builds
   [b, t, vocab] at once.
   """
-  head = {k: params[k] for k in ("embedding", "lm_head") if k in params}
+  head = {k: params[k] for k in ("embedding", "lm_head", "mask_embedding") if k in params}
   if chunk_size is None:
     return _cross_entropy(qwen2.unembed(config, head, hidden, runtime=runtime), labels)
   b, t, e = hidden.shape
@@ -358,7 +358,8 @@ def _stream_length(objective: ObjectiveConfig, length: int) -> int:
 
 
 def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
-               objective: ObjectiveConfig, runtime: Runtime) -> dict[str, Array]:
+               objective: ObjectiveConfig, runtime: Runtime,
+               dropout_rng: Array | None) -> dict[str, Array]:
   """MARS sums of the fields `f` of one batch (see `objective_sums`)."""
   block = objective.block_size
   length = f["tokens"].shape[1]
@@ -369,7 +370,7 @@ def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   spans = objective.attention_chunk and masks.two_stream_spans(
       length, n, block, objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask,
-                                runtime=runtime, spans=spans or None)
+                                runtime=runtime, spans=spans or None, dropout_rng=dropout_rng)
   # unembed only the target stream's positions, in both streams: [b, 2n, embed]
   hidden = jnp.concatenate([_gather(hidden[:, :length], stream), hidden[:, length:]], axis=1)
   labels = _gather(f["labels"], stream)
@@ -392,14 +393,15 @@ def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
 
 
 def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
-                 objective: ObjectiveConfig, runtime: Runtime) -> dict[str, Array]:
+                 objective: ObjectiveConfig, runtime: Runtime,
+                 dropout_rng: Array | None) -> dict[str, Array]:
   """AR-SFT sums of the fields `f` of one batch: a causal pass over L, unembedded only
   at the targets (`target_stream` with B = 1)."""
   attn_mask = masks.segment_causal_mask(f["segment_ids"])
   spans = objective.attention_chunk and masks.causal_spans(f["tokens"].shape[1],
                                                            objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,
-                                runtime=runtime, spans=spans or None)
+                                runtime=runtime, spans=spans or None, dropout_rng=dropout_rng)
   stream = target_stream(f, 1, _stream_length(objective, f["tokens"].shape[1]))
   ce, correct = token_cross_entropy(config, params, _gather(hidden, stream),
                                     _gather(f["labels"], stream),
@@ -414,10 +416,10 @@ def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
 
 
 def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
-                   objective: ObjectiveConfig, *, runtime: Runtime = DEFAULT_RUNTIME
-                   ) -> dict[str, Array]:
+                   objective: ObjectiveConfig, *, runtime: Runtime = DEFAULT_RUNTIME,
+                   dropout_rng: Array | None = None) -> dict[str, Array]:
   """Unnormalised loss and metric sums of one batch, as `objective.kind` says (see
-  `finalize`).
+  `finalize`). dropout_rng: the LoRA adapters' dropout (`runtime.lora`); None: none.
 
   MARS: one forward pass over [clean row (L) | noisy target stream (n)]. Sums: loss,
   ce_ar, ce_mask, denom, targets, correct_ar, rows_cut: float32[]; correct_offset,
@@ -426,9 +428,9 @@ def objective_sums(config: qwen2.Qwen2Config, params: Any, batch: Batch,
   AR-SFT: a causal pass over L. Sums: loss, ce_ar, denom, targets, correct_ar, rows_cut.
   """
   if objective.kind == "ar_sft":
-    return _ar_sft_sums(config, params, prepare(batch), objective, runtime)
+    return _ar_sft_sums(config, params, prepare(batch), objective, runtime, dropout_rng)
   check_mask_token_id(config, objective.mask_token_id)
-  return _mars_sums(config, params, prepare(batch), objective, runtime)
+  return _mars_sums(config, params, prepare(batch), objective, runtime, dropout_rng)
 
 
 def finalize(sums: dict[str, Array]) -> tuple[Array, dict[str, Array]]:

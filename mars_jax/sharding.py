@@ -51,6 +51,7 @@ LOGICAL_AXIS_RULES: Rules = (
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
+    ("lora_rank", None),
     ("activation_batch", BATCH_AXES),
     ("activation_heads", "tensor"),
     ("activation_kv_heads", "tensor"),

@@ -16,6 +16,10 @@ anything is compiled.
                     init; mars_jax.data.tokenizer), an HF directory, or None: the
                     tokenizer of model.init (also what an embedded name means when
                     model.init is a model or run)
+  lora.*            rank (0: full fine-tuning), alpha, dropout, targets (a regex over
+                    "attn/q_kernel" .. "mlp/down_kernel"), train_mask_row: LoRA over
+                    the frozen model (mars_jax/lora.py); a MARS stage also trains the
+                    `<|mask|>` embedding row unless train_mask_row is False
   objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...);
                     stream_length unset: the trainer derives the shortest target
                     stream that holds every example's target blocks (the whole row
@@ -61,6 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32", param_dtype="float32", attention_impl="xla", remat="none",
       scan_layers=True))
   c.tokenizer = placeholder(str)
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=0, alpha=16.0, dropout=0.0, targets=".*", train_mask_row=True))
   c.objective = ml_collections.ConfigDict(dict(
       kind="mars", block_size=4, ar_weight=1.0, intra_block="causal",
       normalization="sequence", chunk_size=256, stream_length=placeholder(int),
@@ -129,6 +135,7 @@ def validate(cfg) -> None:
     random_model_config(cfg)
   else:
     runtime(cfg)
+  stage_runtime(cfg, qwen2.DEFAULT_RUNTIME, mask_token_id=0)
   if cfg.final_eval.num_problems < 0 or cfg.final_eval.max_new_tokens < 1:
     raise ValueError("final_eval.num_problems must be >= 0 and max_new_tokens >= 1.")
 
@@ -145,6 +152,21 @@ def runtime(cfg) -> qwen2.Runtime:
   return qwen2.Runtime(dtype=m.dtype, param_dtype=m.param_dtype,
                        attention_impl=m.attention_impl, remat=m.remat,
                        scan_layers=m.scan_layers)
+
+
+def stage_runtime(cfg, runtime: qwen2.Runtime, mask_token_id: int | None) -> qwen2.Runtime:
+  """The runtime a stage trains with: `runtime` plus the adapters `lora.*` asks for (none
+  at lora.rank 0). The mask row trains in a MARS stage unless lora.train_mask_row is
+  False; an AR-SFT stage never feeds the mask token, so its row stays frozen there."""
+  lc = cfg.lora
+  if lc.rank < 0:
+    raise ValueError(f"lora.rank={lc.rank}; must be >= 0 (0: no LoRA).")
+  if lc.rank == 0:
+    return runtime
+  mask = mask_token_id if cfg.objective.kind == "mars" and lc.train_mask_row else None
+  return runtime.replace(lora=qwen2.LoraSpec(rank=lc.rank, alpha=float(lc.alpha),
+                                             dropout=float(lc.dropout), targets=lc.targets,
+                                             mask_token_id=mask))
 
 
 def paper_config(*, model_dir: str, preset: str, kind: Kind, fsdp: int, micro_batches: int,

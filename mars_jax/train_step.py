@@ -13,6 +13,10 @@ rematerialisation policy `runtime.remat`, its activations pinned to the mesh by 
 logical axis rules (`sharding.activation_sharding`). The step is
 `jax.jit(in_shardings=(state, batch), out_shardings=(state, replicated metrics),
 donate_argnums=0)`: the state passed in is consumed.
+
+With `runtime.lora` (mars_jax/lora.py) the state's params hold the frozen weights and
+the adapters; gradients, clipping and the optimizer state cover the adapters (and the
+mask row) alone, and the frozen weights pass through the step unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from mars_jax import objective as objective_lib
+from mars_jax import lora, objective as objective_lib
 from mars_jax import sharding
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
@@ -36,7 +40,8 @@ Batch = dict[str, Array]
 
 @flax.struct.dataclass
 class TrainState:
-  """step: int32[] (optimizer steps taken); params: model params; opt_state: tx state."""
+  """step: int32[] (optimizer steps taken); params: model params; opt_state: tx state
+  of the trainable params (`lora.partition`: all of them without LoRA)."""
   step: Array
   params: Any
   opt_state: Any
@@ -47,7 +52,7 @@ def abstract_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTran
   """`TrainState` of `jax.ShapeDtypeStruct`s (nothing allocated), e.g. an orbax target."""
   params = qwen2.abstract_params(model_config, runtime=runtime)
   return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                    opt_state=jax.eval_shape(tx.init, params))
+                    opt_state=jax.eval_shape(tx.init, lora.partition(params)[0]))
 
 
 def train_state_shardings(model_config: qwen2.Qwen2Config, tx: optax.GradientTransformation,
@@ -56,7 +61,8 @@ def train_state_shardings(model_config: qwen2.Qwen2Config, tx: optax.GradientTra
   """`TrainState` of `NamedSharding`s: params by logical axes, moments like their params."""
   params = sharding.param_shardings(model_config, mesh, rules, runtime=runtime)
   opt_state = sharding.opt_state_shardings(
-      tx, qwen2.abstract_params(model_config, runtime=runtime), params, mesh)
+      tx, lora.partition(qwen2.abstract_params(model_config, runtime=runtime))[0],
+      lora.partition(params)[0], mesh)
   return TrainState(step=sharding.replicated(mesh), params=params, opt_state=opt_state)
 
 
@@ -65,19 +71,28 @@ def init_train_state(model_config: qwen2.Qwen2Config, tx: optax.GradientTransfor
                      rules: sharding.Rules = sharding.LOGICAL_AXIS_RULES,
                      runtime: Runtime = DEFAULT_RUNTIME) -> TrainState:
   """A sharded step-0 state from given `params` (e.g. `hf.load_pretrained`, in
-  `runtime`'s layout), or a random init from `rng` computed directly in its shardings."""
+  `runtime`'s layout), or a random init from `rng` computed directly in its shardings.
+  With `runtime.lora`, `params` are the base weights (no adapters) and the adapters are
+  added from `rng` (default key 0), `lora.add_adapters`."""
   shardings = train_state_shardings(model_config, tx, mesh, rules, runtime=runtime)
+  base = lora.without_lora(runtime)
+  key = jax.random.key(0) if rng is None else rng
 
-  def build(p):
-    return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+  def build(p, r):
+    if runtime.lora is not None:
+      p = lora.add_adapters(model_config, p, runtime, jax.random.fold_in(r, 1))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                      opt_state=tx.init(lora.partition(p)[0]))
 
   if params is None:
     if rng is None:
       raise ValueError("init_train_state needs params or rng.")
-    return jax.jit(lambda r: build(qwen2.init_params(model_config, r, runtime=runtime)),
+    return jax.jit(lambda r: build(qwen2.init_params(model_config, r, runtime=base), r),
                    out_shardings=shardings)(rng)
-  params = jax.device_put(params, shardings.params)
-  return jax.jit(build, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+  base_shardings = sharding.param_shardings(model_config, mesh, rules, runtime=base)
+  params = jax.device_put(params, base_shardings)
+  return jax.jit(build, in_shardings=(base_shardings, None),
+                 out_shardings=shardings)(params, key)
 
 
 def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
@@ -97,35 +112,44 @@ def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
 def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.ObjectiveConfig,
                    params: Any, batch: Batch, *, micro_batches: int = 1,
                    micro_batch_sharding: NamedSharding | None = None,
-                   runtime: Runtime = DEFAULT_RUNTIME) -> tuple[Any, dict[str, Array]]:
+                   runtime: Runtime = DEFAULT_RUNTIME, dropout_rng: Array | None = None
+                   ) -> tuple[Any, dict[str, Array]]:
   """Gradients of the normalised loss and the objective's sums, accumulated over micro-batches.
 
   The loss is a sum over micro-batches divided once by the whole batch's
   denominator, so any `micro_batches` gives the gradient of the full batch.
-  -> (grads: like params, sums: see `objective.objective_sums`).
+  Gradients are taken of the trainable params alone (`lora.partition`: the adapters
+  and the mask row under LoRA, every param without). `dropout_rng`: the adapters'
+  dropout (micro-batch k draws from fold_in(dropout_rng, k)); None: no dropout.
+  -> (grads: like the trainable params, sums: see `objective.objective_sums`).
   """
-  def sum_loss(p, mb):
-    sums = objective_lib.objective_sums(model_config, p, mb, objective, runtime=runtime)
+  trainable, frozen = lora.partition(params)
+
+  def sum_loss(t, mb, k):
+    rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, k)
+    sums = objective_lib.objective_sums(model_config, lora.combine(t, frozen), mb, objective,
+                                        runtime=runtime, dropout_rng=rng)
     return sums["loss"], sums
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
   if micro_batches == 1:
-    grads, sums = grad_fn(params, batch)
+    grads, sums = grad_fn(trainable, batch, 0)
   else:
     mbs = split_micro_batches(batch, micro_batches)
     first = jax.tree.map(lambda x: x[0], mbs)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
-                         jax.eval_shape(grad_fn, params, first))
+                         jax.eval_shape(grad_fn, trainable, first, 0))
 
-    def body(acc, mb):
+    def body(acc, xs):
+      mb, k = xs
       if micro_batch_sharding is not None:
         mb = jax.lax.with_sharding_constraint(mb, micro_batch_sharding)
-      out = grad_fn(params, mb)
+      out = grad_fn(trainable, mb, k)
       return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, out), None
 
-    (grads, sums), _ = jax.lax.scan(body, zeros, mbs)
+    (grads, sums), _ = jax.lax.scan(body, zeros, (mbs, jnp.arange(micro_batches)))
   denom = jnp.maximum(sums["denom"], 1.0)
-  grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+  grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, trainable)
   return grads, sums
 
 
@@ -171,14 +195,17 @@ def make_train_step(model_config: qwen2.Qwen2Config, objective: objective_lib.Ob
           f"batch size {rows} must be divisible by micro_batches ({micro_batches}) x "
           f"the batch's device split ({batch_shards}: data x fsdp), so that every "
           "micro-batch splits over the devices.")
-    batch = _with_block_offsets(objective, batch,
-                                jax.random.fold_in(jax.random.key(seed), state.step))
+    key = jax.random.fold_in(jax.random.key(seed), state.step)
+    batch = _with_block_offsets(objective, batch, key)
+    dropout = runtime.lora is not None and runtime.lora.dropout > 0
     with sharding.activation_sharding(mesh, rules):
       grads, sums = loss_and_grads(model_config, objective, state.params, batch,
                                    micro_batches=micro_batches,
-                                   micro_batch_sharding=batch_shardings, runtime=runtime)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+                                   micro_batch_sharding=batch_shardings, runtime=runtime,
+                                   dropout_rng=jax.random.fold_in(key, 1) if dropout else None)
+    trainable, frozen = lora.partition(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, trainable)
+    params = lora.combine(optax.apply_updates(trainable, updates), frozen)
     _, metrics = objective_lib.finalize(sums)
     metrics["grad_norm"] = optax.global_norm(grads)
     if learning_rate_fn is not None:

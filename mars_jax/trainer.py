@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from mars_jax import checkpoint, hf, objective as objective_lib, sharding, train_config
+from mars_jax import checkpoint, hf, lora, objective as objective_lib, sharding, train_config
 from mars_jax import train_step as ts
 from mars_jax.data import load_data, pad_example, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
@@ -283,6 +283,12 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
       ts.train_state_shardings(model_config, tx, mesh, runtime=runtime),
       lambda: ts.init_train_state(model_config, tx, mesh, params=init_params,
                                   rng=jax.random.key(cfg.train.seed), runtime=runtime))
+  if pid == 0 and runtime.lora is not None:
+    trained, total_params = lora.count(state.params)
+    _LOG.info("[%s] LoRA rank %d over %s%s: training %s of %s params (%.2f%%)",
+              os.path.basename(run_dir), runtime.lora.rank, runtime.lora.targets,
+              " and the mask row" if runtime.lora.mask_token_id is not None else "",
+              f"{trained:,}", f"{total_params:,}", 100 * trained / total_params)
   if data_state is not None:
     it.set_state(data_state)
     if pid == 0:

@@ -6,11 +6,12 @@ Two frozen (hashable) dataclasses, both usable as static arguments of `jax.jit`:
   Qwen2Config  the architecture, exactly what `config.json` holds, for either family
                (`model_type` "qwen2" or "qwen3"; see `Family` and docs/models.md);
   Runtime      how the same weights are stored and computed (parameter dtype,
-               compute dtype, attention implementation, remat, scanned layers).
+               compute dtype, attention implementation, remat, scanned layers), and
+               the low-rank adapters trained over them (`LoraSpec`, mars_jax/lora.py).
 
-A checkpoint means the same under any `Runtime`; functions that compute take the
-runtime as an explicit `runtime=` keyword whose default is float32 with the plain
-einsum attention, scanned layers and no remat.
+A checkpoint means the same under any `Runtime` without adapters; functions that
+compute take the runtime as an explicit `runtime=` keyword whose default is float32
+with the plain einsum attention, scanned layers, no remat and no adapters.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -232,6 +234,55 @@ class Qwen2Config:
     return out
 
 
+# The projections an adapter may target, by the name its regex is matched against.
+LORA_PROJECTIONS = ("attn/q_kernel", "attn/k_kernel", "attn/v_kernel", "attn/o_kernel",
+                    "mlp/gate_kernel", "mlp/up_kernel", "mlp/down_kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """Low-rank adapters over frozen weights (mars_jax/lora.py, docs/design.md).
+
+  Each targeted projection W: [*in, *out] computes x W + (alpha / rank) (drop(x) A) B
+  with A: [*in, rank], B: [rank, *out] (B starts at zero, so training starts from the
+  base model). targets: a regex searched in each projection's name in
+  `LORA_PROJECTIONS` ("attn/q_kernel" .. "mlp/down_kernel"; default all seven).
+  dropout: on the adapters' input, training only. mask_token_id: when set, the
+  embedding row of that token is a trained vector of its own (`mask_embedding`,
+  replacing the row in the lookup and, with tied embeddings, in the logits), as
+  PEFT's trainable token indices do; None leaves the row frozen.
+  """
+
+  rank: int
+  alpha: float
+  dropout: float = 0.0
+  targets: str = ".*"
+  mask_token_id: int | None = None
+
+  def __post_init__(self):
+    if self.rank < 1:
+      raise ValueError(f"lora.rank={self.rank}; must be >= 1 (0 turns LoRA off).")
+    if not self.alpha > 0:
+      raise ValueError(f"lora.alpha={self.alpha}; must be > 0.")
+    if not 0 <= self.dropout < 1:
+      raise ValueError(f"lora.dropout={self.dropout}; must be in [0, 1).")
+    try:
+      pattern = re.compile(self.targets)
+    except re.error as e:
+      raise ValueError(f"lora.targets={self.targets!r} is not a regex: {e}.") from e
+    if not any(pattern.search(n) for n in LORA_PROJECTIONS):
+      raise ValueError(f"lora.targets={self.targets!r} matches none of "
+                       f"{list(LORA_PROJECTIONS)}.")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  def targets_projection(self, name: str) -> bool:
+    """Whether the projection `name` (one of `LORA_PROJECTIONS`) has an adapter."""
+    return re.search(self.targets, name) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
   """How a model's weights are stored and computed; never what they mean.
@@ -248,6 +299,8 @@ class Runtime:
     (save the model's named checkpoints, `qwen2.CHECKPOINT_NAMES`).
   scan_layers: layers stacked on a leading axis under `nn.scan` (the params tree
     then holds `layers/...`; unrolled it holds `layers_0 .. layers_{L-1}`).
+  lora: the adapters the params tree holds beside the weights and the forward adds
+    (`LoraSpec`; a dict, as layout.json stores it, is read as one); None: none.
   """
 
   param_dtype: str = "float32"
@@ -255,8 +308,11 @@ class Runtime:
   attention_impl: AttentionImpl = "xla"
   remat: Remat = "none"
   scan_layers: bool = True
+  lora: LoraSpec | None = None
 
   def __post_init__(self):
+    if isinstance(self.lora, dict):
+      object.__setattr__(self, "lora", LoraSpec(**self.lora))
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {list(DTYPES)}.")

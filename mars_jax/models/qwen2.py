@@ -20,12 +20,16 @@ Parameter tree (layers stacked on a leading axis when `runtime.scan_layers`):
   final_norm/scale               [embed]
   lm_head                        [embed, vocab]   (absent when embeddings are tied)
 
+With `runtime.lora` (a `LoraSpec`), each targeted projection P_kernel [*in, *out] has
+`P_lora_a` [*in, rank] and `P_lora_b` [rank, *out] beside it (`low_rank`), and with its
+`mask_token_id` the tree holds `mask_embedding` [embed], the trained row of that token.
+
 Every function takes the architecture (`Qwen2Config`) and, as the keyword
 `runtime`, how to compute it (`Runtime`: dtypes, attention, remat, scan); the
 default runtime is float32 with the plain einsum attention.
 
 Every weight carries logical axis names (`layers`, `vocab`, `embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `norm`) that `mars_jax.sharding` maps to mesh axes.
+`kv_heads`, `head_dim`, `mlp`, `norm`, `lora_rank`) that `mars_jax.sharding` maps to mesh axes.
 Without scan (`runtime.scan_layers=False`) the layers are `layers_0 .. layers_{L-1}`
 with the same leaves minus the leading axis.
 
@@ -73,7 +77,7 @@ from jax.sharding import PartitionSpec as P
 
 from mars_jax.models import splash
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
-    DEFAULT_RUNTIME, PRESETS, Qwen2Config, Runtime, preset, scan_layers_of)
+    DEFAULT_RUNTIME, PRESETS, LoraSpec, Qwen2Config, Runtime, preset, scan_layers_of)
 
 Array = jax.Array
 Cache = dict[str, Array]
@@ -134,6 +138,41 @@ def dense(x: Array, kernel: Array, in_dims: int = 1) -> Array:
 def _param(module: nn.Module, name: str, shape, axes, dtype, init=None):
   init = init or nn.initializers.normal(0.02)
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _lora_a_init(key, shape, dtype):
+  """A: [*in, rank] uniform in +-1/sqrt(fan_in) (PEFT's default, Kaiming with a=sqrt 5)."""
+  bound = 1.0 / math.sqrt(int(np.prod(shape[:-1])))
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def low_rank(module: nn.Module, x: Array, name: str, in_shape: tuple[int, ...],
+             in_axes: tuple[str, ...], out_shape: tuple[int, ...],
+             out_axes: tuple[str, ...]) -> Array | None:
+  """The adapter of projection `name` (a `LORA_PROJECTIONS` entry, "attn/q_kernel"), or
+  None when `runtime.lora` has none for it: (alpha / rank) (drop(x) A) B.
+
+  x: [..., *in_shape] -> [..., *out_shape]. Params `{p}_lora_a` [*in, rank] and
+  `{p}_lora_b` [rank, *out] (p: the kernel's name without "_kernel"), with the logical
+  axes of the kernel's dims and "lora_rank". Dropout only when the caller passes a
+  "dropout" rng (training)."""
+  spec, rt = module.runtime.lora, module.runtime
+  if spec is None or not spec.targets_projection(name):
+    return None
+  prefix = name.split("/")[-1].removesuffix("_kernel")
+  a = _param(module, f"{prefix}_lora_a", (*in_shape, spec.rank), (*in_axes, "lora_rank"),
+             rt.jnp_param_dtype, _lora_a_init)
+  b = _param(module, f"{prefix}_lora_b", (spec.rank, *out_shape), ("lora_rank", *out_axes),
+             rt.jnp_param_dtype, nn.initializers.zeros)
+  if spec.dropout > 0 and module.has_rng("dropout"):
+    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - spec.dropout, x.shape)
+    x = jnp.where(keep, x / (1.0 - spec.dropout), 0).astype(x.dtype)
+  h = dense(x, a.astype(rt.jnp_dtype), in_dims=len(in_shape))
+  return dense(h, b.astype(rt.jnp_dtype)) * jnp.asarray(spec.scale, rt.jnp_dtype)
+
+
+def _plus(y: Array, delta: Array | None) -> Array:
+  return y if delta is None else y + delta
 
 
 class RMSNorm(nn.Module):
@@ -339,7 +378,9 @@ class Attention(nn.Module):
     c, rt = self.config, self.runtime
     kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, c.head_dim),
                     ("embed", heads_axis, "head_dim"), rt.jnp_param_dtype)
-    out = dense(x, kernel.astype(rt.jnp_dtype))
+    out = _plus(dense(x, kernel.astype(rt.jnp_dtype)),
+                low_rank(self, x, f"attn/{name}_kernel", (c.hidden_size,), ("embed",),
+                         (heads, c.head_dim), (heads_axis, "head_dim")))
     if not c.attention_bias:
       return out
     bias = _param(self, f"{name}_bias", (heads, c.head_dim), (heads_axis, "head_dim"),
@@ -375,7 +416,9 @@ class Attention(nn.Module):
     out = checkpoint_name(constrain(out, HEADS_AXES), "attn_out")
     o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
                       ("heads", "head_dim", "embed"), rt.jnp_param_dtype)
-    return dense(out, o_kernel.astype(rt.jnp_dtype), in_dims=2), new_kv
+    delta = low_rank(self, out, "attn/o_kernel", (c.num_attention_heads, c.head_dim),
+                     ("heads", "head_dim"), (c.hidden_size,), ("embed",))
+    return _plus(dense(out, o_kernel.astype(rt.jnp_dtype), in_dims=2), delta), new_kv
 
 
 class MLP(nn.Module):
@@ -391,10 +434,14 @@ class MLP(nn.Module):
                 ("embed", "mlp"), pdt)
     down = _param(self, "down_kernel", (c.intermediate_size, c.hidden_size),
                   ("mlp", "embed"), pdt)
-    dt = self.runtime.jnp_dtype
-    h = nn.silu(dense(x, gate.astype(dt))) * dense(x, up.astype(dt))
-    h = checkpoint_name(constrain(h, MLP_AXES), "mlp_hidden")
-    return dense(h, down.astype(dt))
+    dt, e, m = self.runtime.jnp_dtype, c.hidden_size, c.intermediate_size
+    g = _plus(dense(x, gate.astype(dt)),
+              low_rank(self, x, "mlp/gate_kernel", (e,), ("embed",), (m,), ("mlp",)))
+    u = _plus(dense(x, up.astype(dt)),
+              low_rank(self, x, "mlp/up_kernel", (e,), ("embed",), (m,), ("mlp",)))
+    h = checkpoint_name(constrain(nn.silu(g) * u, MLP_AXES), "mlp_hidden")
+    return _plus(dense(h, down.astype(dt)),
+                 low_rank(self, h, "mlp/down_kernel", (m,), ("mlp",), (e,), ("embed",)))
 
 
 class DecoderLayer(nn.Module):
@@ -432,7 +479,8 @@ class Qwen2ForCausalLM(nn.Module):
       layer = nn.remat(layer, policy=_REMAT[rt.remat], prevent_cse=not rt.scan_layers)
     if rt.scan_layers:
       self.layers = nn.scan(
-          layer, variable_axes={"params": 0}, split_rngs={"params": True},
+          layer, variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
           in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
           length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"},
       )(c, rt, self.spans, name="layers")
@@ -440,6 +488,11 @@ class Qwen2ForCausalLM(nn.Module):
       self.layers = [layer(c, rt, self.spans, name=f"layers_{i}")
                      for i in range(c.num_hidden_layers)]
     self.final_norm = RMSNorm(c, rt, name="final_norm")
+    self.mask_id = rt.lora.mask_token_id if rt.lora is not None else None
+    if self.mask_id is not None:   # the trained `<|mask|>` row (see `LoraSpec`)
+      self.mask_embedding = self.param(
+          "mask_embedding", nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+          (c.hidden_size,), rt.jnp_param_dtype)
     if not c.tie_word_embeddings:
       self.lm_head = self.param(
           "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02),
@@ -453,8 +506,10 @@ class Qwen2ForCausalLM(nn.Module):
     K/V; all layers' K/V are then written in one scatter, which XLA keeps in place when
     the cache buffer is donated (the sampler's while_loop carry)."""
     c = self.config
-    x = constrain(jnp.take(self.embedding, tokens, axis=0).astype(self.runtime.jnp_dtype),
-                  EMBED_AXES)
+    x = jnp.take(self.embedding, tokens, axis=0)
+    if self.mask_id is not None:
+      x = jnp.where((tokens == self.mask_id)[..., None], self.mask_embedding, x)
+    x = constrain(x.astype(self.runtime.jnp_dtype), EMBED_AXES)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     if self.runtime.scan_layers:
       x, new_kv = self.layers(x, jnp.arange(c.num_hidden_layers), cache, cos, sin, attn_mask,
@@ -476,6 +531,10 @@ class Qwen2ForCausalLM(nn.Module):
     if self.config.tie_word_embeddings:  # contract on the embedding's minor axis, no transpose
       logits = jnp.einsum("...e,ve->...v", hidden, self.embedding.astype(hidden.dtype),
                           preferred_element_type=jnp.float32)
+      if self.mask_id is not None:   # the tied head's row of the trained mask embedding
+        logits = logits.at[..., self.mask_id].set(jnp.einsum(
+            "...e,e->...", hidden, self.mask_embedding.astype(hidden.dtype),
+            preferred_element_type=jnp.float32))
     else:
       logits = jnp.einsum("...e,ev->...v", hidden, self.lm_head.astype(hidden.dtype),
                           preferred_element_type=jnp.float32)
@@ -503,11 +562,13 @@ def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
                    attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME,
-                   spans: Spans | None = None) -> Array:
+                   spans: Spans | None = None, dropout_rng: Array | None = None) -> Array:
   """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses).
-  spans: static query/key spans that hold every key the mask allows (`span_attention`)."""
+  spans: static query/key spans that hold every key the mask allows (`span_attention`).
+  dropout_rng: the LoRA adapters' dropout (`runtime.lora`, training); None: none."""
   hidden, _ = Qwen2ForCausalLM(config, runtime, spans).apply(
-      {"params": params}, tokens, positions, attn_mask, method="hidden")
+      {"params": params}, tokens, positions, attn_mask, method="hidden",
+      rngs=None if dropout_rng is None else {"dropout": dropout_rng})
   return hidden
 
 

@@ -204,8 +204,8 @@ def resolve_checkpoint(path: str) -> tuple[str, int]:
   return path, max(steps)
 
 
-def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = None
-                ) -> tuple[Qwen2Config, Runtime, Any]:
+def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = None,
+                merge_adapters: bool = True) -> tuple[Qwen2Config, Runtime, Any]:
   """Params of a training checkpoint (RUN_DIR = latest step, or RUN_DIR/<step>).
 
   -> (model config, runtime, params). `runtime`: how the caller will compute the
@@ -215,6 +215,7 @@ def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = N
   checkpoints written by any number of processes. A LoRA run's adapters and mask row
   come merged into the weights (`lora.merge`, in float32), and the runtime returned
   has no `lora`: every reader of a run computes the adapted model as a plain one.
+  `merge_adapters=False` keeps them apart (the runtime then keeps the run's `lora`).
   """
   run_dir, step = resolve_checkpoint(path)
   config, stored = config_from_layout(read_layout(run_dir))
@@ -226,9 +227,11 @@ def load_params(path: str, *, runtime: Runtime | None = None, shardings: Any = N
   with ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), item_names=("params",),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mgr:
     out = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
-  params = lora.merge(out.params, stored.lora)
-  runtime = lora.without_lora(runtime or stored)
-  return config, runtime, relayout(params, runtime)
+  runtime = runtime or stored
+  if not merge_adapters:
+    return config, runtime.replace(lora=stored.lora), relayout(out.params, runtime)
+  runtime = lora.without_lora(runtime)
+  return config, runtime, relayout(lora.merge(out.params, stored.lora), runtime)
 
 
 def tokenizer_dir(run_dir: str) -> str:

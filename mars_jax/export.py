@@ -6,6 +6,14 @@ directory that `transformers.AutoModelForCausalLM` loads, with the run's tokeniz
 checkpoint's generation_config.json when the run saved them. Permissions follow the
 umask.
 
+A LoRA run (`--config.lora.rank=R`) exports two ways:
+  --merge     (the default) the adapters folded into the weights and the trained
+              `<|mask|>` row written into the embedding: a plain model;
+  --adapter   a PEFT adapter directory (adapter_config.json, adapter_model.safetensors,
+              the mask row as PEFT's trainable token indices, the tokenizer) that
+              `peft.PeftModel.from_pretrained(base, OUT)` loads over the HF model the
+              run started from (mars_jax/peft_adapter.py).
+
 --out must be new or empty, or an earlier export by mars_jax with --overwrite; it
 may not be inside the run or the model the run started from (its `model.init`), nor
 contain either. A failed export leaves nothing behind.
@@ -17,7 +25,7 @@ import argparse
 import os
 import sys
 
-from mars_jax import checkpoint, hf
+from mars_jax import checkpoint, hf, peft_adapter
 from mars_jax.data import synthetic
 
 
@@ -47,25 +55,37 @@ def check_out(out: str, run_dir: str, source: str | None = None) -> None:
 
 def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
            max_shard_size: str = "5GB", progress: bool = True,
-           overwrite: bool = False) -> str:
-  """Exports RUN_DIR (latest step) or RUN_DIR/STEP to `out`; returns `out`.
+           overwrite: bool = False, adapter: bool = False) -> str:
+  """Exports RUN_DIR (latest step) or RUN_DIR/STEP to `out`; returns `out`. A LoRA run
+  exports merged, or with `adapter` as a PEFT adapter directory.
 
   Raises `hf.ExportTargetError` before loading anything when `out` is not a
-  directory an export may go to (see `check_out`, `hf.check_export_target`)."""
+  directory an export may go to (see `check_out`, `hf.check_export_target`), and
+  ValueError when `adapter` is asked of a run without adapters."""
   run_dir, step = checkpoint.resolve_checkpoint(checkpoint_path)
   layout = checkpoint.read_layout(run_dir)
   check_out(out, run_dir, layout.get("init"))
   hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
-  config, _, params = checkpoint.load_params(checkpoint_path)
+  if adapter and checkpoint.config_from_layout(layout)[1].lora is None:
+    raise ValueError(f"{run_dir}: --adapter needs a LoRA run (train with "
+                     "--config.lora.rank=R); this run fine-tuned every weight, export it "
+                     "without --adapter.")
+  config, runtime, params = checkpoint.load_params(checkpoint_path,
+                                                   merge_adapters=not adapter)
   tok_dir = checkpoint.tokenizer_dir(run_dir)
   tokenizer = None
   if os.path.isdir(tok_dir):
     tokenizer, _ = hf.load_tokenizer(tok_dir, config.vocab_size)
+  source = {"run_dir": run_dir, "step": step, "objective": layout.get("objective", {})}
+  if adapter:
+    init = layout.get("init")
+    peft_adapter.save_adapter(config, params, runtime.lora, out, tokenizer=tokenizer,
+                              base_model=None if init == "random" else init, dtype=dtype,
+                              overwrite=overwrite, source=source)
+    return out
   hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
                      max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
-                     generation_config=hf.read_generation_config(tok_dir),
-                     source={"run_dir": run_dir, "step": step,
-                             "objective": layout.get("objective", {})})
+                     generation_config=hf.read_generation_config(tok_dir), source=source)
   task = synthetic.load_task_settings(run_dir)
   if task is not None:   # after the weights (save_pretrained replaces `out`), for evaluate
     synthetic.save_task_settings(out, task)
@@ -84,11 +104,18 @@ def main(argv=None) -> None:
                  help="replace --out (the whole directory) when it holds an earlier "
                       "export by mars_jax; a directory without its mars_jax_export.json "
                       "is never replaced")
+  how = p.add_mutually_exclusive_group()
+  how.add_argument("--merge", action="store_true",
+                   help="a LoRA run: fold the adapters and the mask row into the weights "
+                        "(the default)")
+  how.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write a PEFT adapter directory instead of a model")
   args = p.parse_args(argv)
   try:
     out = export(args.checkpoint, args.out, dtype=args.dtype,
-                 max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-  except hf.ExportTargetError as e:
+                 max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                 adapter=args.adapter)
+  except (hf.ExportTargetError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(f"exported {args.checkpoint} -> {out}")

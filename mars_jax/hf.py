@@ -19,6 +19,7 @@ Only transposes and reshapes: RoPE uses HF's rotate-half layout on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -295,13 +296,7 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
       used = 0
     shards[-1].append(name)
     used += n
-  path = os.path.realpath(path)
-  check_export_target(path, overwrite=overwrite)  # before the long write
-  parent = os.path.dirname(os.path.abspath(path)) or "."
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-  try:
-    os.chmod(tmp, 0o777 & ~_umask())   # mkdtemp makes it 0700 whatever the umask
+  with staged_export(path, overwrite=overwrite) as tmp:
     names = ([_SINGLE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     weight_map = {}
@@ -333,7 +328,24 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
       save_tokenizer(tokenizer, tmp)
       if MASK_TOKEN in tokenizer.get_vocab():
         mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    _write_marker(tmp, dtype=dtype, source=source, mask_token_id=mask_id)
+    write_marker(tmp, dtype=dtype, source=source, mask_token_id=mask_id)
+
+
+@contextlib.contextmanager
+def staged_export(path: str, *, overwrite: bool = False):
+  """-> a temporary sibling directory of `path` to write an export into; on a clean exit
+  it replaces `path` (`check_export_target` first, before the write, and again at the
+  rename), on an error it is deleted and `path` is left as it was. The directory gets
+  the permissions the umask gives (mkdtemp makes it 0700 whatever the umask). Write the
+  marker (`write_marker`) last, inside the block."""
+  path = os.path.realpath(path)
+  check_export_target(path, overwrite=overwrite)
+  parent = os.path.dirname(os.path.abspath(path)) or "."
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+  try:
+    os.chmod(tmp, 0o777 & ~_umask())
+    yield tmp
     _move_into_place(tmp, path, overwrite=overwrite)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -383,11 +395,15 @@ def _umask() -> int:
   return mask
 
 
-def _write_marker(tmp: str, *, dtype: str, source: dict | None,
-                  mask_token_id: int | None) -> None:
+def write_marker(tmp: str, *, dtype: str, source: dict | None,
+                 mask_token_id: int | None, kind: str | None = None) -> None:
+  """The `EXPORT_MARKER` of the export being written in `tmp` (kind: "peft_adapter" for
+  an adapter directory; absent for a model)."""
   record = {"format": _MARKER_FORMAT, "version": 1, "dtype": dtype,
             "files": sorted(os.listdir(tmp)), "source": source or {},
             "mask_token": MASK_TOKEN, "mask_token_id": mask_token_id}
+  if kind is not None:
+    record["kind"] = kind
   with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
     json.dump(record, f, indent=2, sort_keys=True)
 

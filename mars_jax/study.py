@@ -3,8 +3,10 @@ reproduction of the paper's claims.
 
 An AR-SFT parent is trained on the synthetic task; from it, each variant trains the
 same number of steps: the AR-SFT control (the parent trained on), MARS with the AR
-loss at B = 4, 8, 16, MARS without it (ar_weight 0), and the Block Diffusion
-baseline (bidirectional intra-block attention, no AR loss, B = 4). Each is then
+loss at B = 4, 8, 16, MARS without it (ar_weight 0), the Block Diffusion
+baseline (bidirectional intra-block attention, no AR loss, B = 4), and MARS at B = 4
+through LoRA adapters (`LORA_VARIANTS`: ranks 8 and 32, and 32 with the mask row
+frozen; docs/results_lora.md). Each is then
 evaluated on held-out problems at every tau, window and gate of `study.eval`, and
 the tables, a Pareto plot and the wall-clock of every run go to `study.report`.
 Finished runs are reused, so an interrupted study resumes.
@@ -30,7 +32,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mars_jax import evaluate, experiment
+from mars_jax import checkpoint, evaluate, experiment, lora
 from mars_jax.data import synthetic, task_settings
 from mars_jax.loading import load_model
 
@@ -50,6 +52,13 @@ VARIANTS = {
     "noar_b16": ("mars", 16, 0.0, "causal"),
     "bd_b4": ("mars", 4, 0.0, "bidirectional"),
 }
+# MARS at B = 4 (as mars_b4) through LoRA adapters over the frozen parent:
+# name -> (lora.rank, lora.train_mask_row); alpha is twice the rank (the authors' 32 / 64).
+LORA_VARIANTS = {
+    "lora_r8": (8, True),
+    "lora_r32": (32, True),
+    "lora_r32_frozen_mask": (32, False),
+}
 
 
 def variant_config(cfg, name: str, parent_dir: str | None):
@@ -64,7 +73,10 @@ def variant_config(cfg, name: str, parent_dir: str | None):
     c.train.steps = cfg.study.parent_steps
     c.optimizer.learning_rate = cfg.study.parent_learning_rate
   else:
-    kind, block, ar_weight, intra = VARIANTS[name]
+    kind, block, ar_weight, intra = VARIANTS.get(name, VARIANTS["mars_b4"])
+    if name in LORA_VARIANTS:
+      rank, train_mask_row = LORA_VARIANTS[name]
+      c.lora.update(rank=rank, alpha=2.0 * rank, train_mask_row=train_mask_row)
     c.model.init = parent_dir
     c.objective.update(kind=kind, block_size=block, ar_weight=ar_weight, intra_block=intra)
     c.train.steps = cfg.study.child_steps
@@ -77,7 +89,7 @@ def eval_settings(name: str, cfg) -> list[tuple[str, int, float]]:
   B=4) at every tau and gate, plus AR mode."""
   if name in ("parent", "control"):
     return [("probability", 1, 1.0)]
-  block = VARIANTS[name][1]
+  block = VARIANTS.get(name, VARIANTS["mars_b4"])[1]
   windows = [block, block + 1] if block == 4 else [block]
   out = [("probability", 1, 1.0)]
   for gate in cfg.study.gates:
@@ -94,6 +106,9 @@ def run_study(cfg, workdir: str) -> dict:
   problem_sets: dict[tuple, list[dict]] = {}
   for name in ["parent", *cfg.study.variants]:
     if name in results:
+      if "trainable_params" not in results[name]:   # a result from before the count
+        results[name]["trainable_params"], results[name]["params"] = _param_counts(
+            results[name]["run_dir"])
       continue
     run_dir = parent_dir if name == "parent" else os.path.join(workdir, name)
     t0 = time.time()
@@ -118,7 +133,9 @@ def run_study(cfg, workdir: str) -> dict:
                          max_new_tokens=cfg.final_eval.max_new_tokens)
       rows.append({"metric": gate, "window": w, "tau": tau,
                    **{k: v for k, v in r.items() if k != "outputs"}})
+    trainable, total = _param_counts(run_dir)
     results[name] = {"train_s": train_s, "eval_s": time.time() - t1, "rows": rows,
+                     "trainable_params": trainable, "params": total,
                      "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss"),
                      "run_dir": run_dir, "synthetic": split}
     print(f"\n[{name}] train {train_s:.0f}s, eval {results[name]['eval_s']:.0f}s\n"
@@ -127,6 +144,11 @@ def run_study(cfg, workdir: str) -> dict:
       json.dump(results, f, indent=2)
     os.replace(results_path + ".tmp", results_path)
   return results
+
+
+def _param_counts(run_dir: str) -> tuple[int, int]:
+  """(trained, total) parameters of a run: its adapters and mask row under LoRA, else all."""
+  return lora.count(checkpoint.load_params(run_dir, merge_adapters=False)[2])
 
 
 def split_settings(record: dict) -> dict:
@@ -163,13 +185,16 @@ def write_report(cfg, results: dict, path: str, command: str) -> None:
       "## Wall-clock and final losses", "",
       "A run trained before the study (a reused parent) shows only its loading time and no "
       "final loss here.", "",
-      "| run | train s | eval s | final train loss | final eval loss |",
-      "|---|---:|---:|---:|---:|"]
+      "| run | train s | eval s | final train loss | final eval loss | trained params |",
+      "|---|---:|---:|---:|---:|---:|"]
   for name, res in results.items():
     fl = res.get("final_loss")
     fe = res.get("final_eval_loss")
+    n = res.get("trainable_params")
+    trained = "" if n is None else f"{n:,} of {res['params']:,}"
     lines.append(f"| {name} | {res['train_s']:.0f} | {res['eval_s']:.0f} | "
-                 f"{'' if fl is None else f'{fl:.4f}'} | {'' if fe is None else f'{fe:.4f}'} |")
+                 f"{'' if fl is None else f'{fl:.4f}'} | {'' if fe is None else f'{fe:.4f}'} | "
+                 f"{trained} |")
   lines += ["", "## Accuracy and tokens per forward", "",
             "| run | gate | W | tau | accuracy | tokens/forward |", "|---|---|---:|---:|---:|---:|"]
   for name, res in results.items():

@@ -159,13 +159,19 @@ def block_offsets(key: Array, tokens: Array, block_size: int) -> Array:
   whatever token was accepted last). With the fixed partition (o = 0) a small
   model learns its in-block slot from its absolute position mod B, and its MASK
   proposals fail wherever decoding is not block-aligned (docs/default.md).
-  The row's tokens enter as sum_j tokens[j] * (2j + 1) * 0x9E3779B1 (mod 2^32): the
-  multipliers are odd, so rows that differ in one token get different hashes."""
+  The row's tokens enter as `row_hashes`."""
+  draw = lambda h: jax.random.randint(jax.random.fold_in(key, h), (), 0, block_size, jnp.int32)
+  return jax.vmap(draw)(row_hashes(tokens))
+
+
+def row_hashes(tokens: Array) -> Array:
+  """uint32[b]: sum_j tokens[j] * (2j + 1) * 0x9E3779B1 (mod 2^32) of each row of
+  int32[b, L]. The multipliers are odd, so rows that differ in one token get different
+  hashes: what a per-row random draw folds into its key to give a row the same draw
+  wherever it sits in the batch (block offsets, LoRA dropout masks)."""
   length = tokens.shape[1]
   weights = (2 * jnp.arange(length, dtype=jnp.uint32) + 1) * jnp.uint32(0x9E3779B1)
-  row_hash = jnp.sum(tokens.astype(jnp.uint32) * weights, axis=1, dtype=jnp.uint32)
-  draw = lambda h: jax.random.randint(jax.random.fold_in(key, h), (), 0, block_size, jnp.int32)
-  return jax.vmap(draw)(row_hash)
+  return jnp.sum(tokens.astype(jnp.uint32) * weights, axis=1, dtype=jnp.uint32)
 
 
 def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
@@ -370,7 +376,8 @@ def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   spans = objective.attention_chunk and masks.two_stream_spans(
       length, n, block, objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, tokens, positions, attn_mask,
-                                runtime=runtime, spans=spans or None, dropout_rng=dropout_rng)
+                                runtime=runtime, spans=spans or None, dropout_rng=dropout_rng,
+                                dropout_rows=row_hashes(f["tokens"]))
   # unembed only the target stream's positions, in both streams: [b, 2n, embed]
   hidden = jnp.concatenate([_gather(hidden[:, :length], stream), hidden[:, length:]], axis=1)
   labels = _gather(f["labels"], stream)
@@ -401,7 +408,8 @@ def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   spans = objective.attention_chunk and masks.causal_spans(f["tokens"].shape[1],
                                                            objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,
-                                runtime=runtime, spans=spans or None, dropout_rng=dropout_rng)
+                                runtime=runtime, spans=spans or None, dropout_rng=dropout_rng,
+                                dropout_rows=row_hashes(f["tokens"]))
   stream = target_stream(f, 1, _stream_length(objective, f["tokens"].shape[1]))
   ce, correct = token_cross_entropy(config, params, _gather(hidden, stream),
                                     _gather(f["labels"], stream),

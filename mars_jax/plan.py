@@ -110,8 +110,10 @@ def _stream_length(cfg) -> int:
 
 def _train_parts(cfg, config, devices, remat: str):
   """-> (typed configs, mesh, optimizer, runtime with `remat`) of the config's stage."""
-  runtime = train_config.runtime(cfg).replace(remat=remat)
-  typed = train_config.typed(cfg, total_steps=1000, mask_token_id=config.vocab_size - 1,
+  mask_id = config.vocab_size - 1
+  runtime = train_config.stage_runtime(cfg, train_config.runtime(cfg), mask_id).replace(
+      remat=remat)
+  typed = train_config.typed(cfg, total_steps=1000, mask_token_id=mask_id,
                              stream_length=_stream_length(cfg))
   mesh = sharding.make_mesh(typed.mesh, devices=devices)
   return typed, mesh, make_optimizer(typed.optimizer), runtime

@@ -293,6 +293,25 @@ def test_generate_and_evaluate_load_the_run_as_its_merged_export(lora_run):
   assert "accuracy" in out
 
 
+def test_serve_answers_from_the_run_as_generate_does_from_the_export(lora_run):
+  from test_http_server import NAME, Live
+  p = lora_run
+  server = Live(p["run"], p["tmp"])
+  try:
+    r = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "What is 3 + 4?"}], max_tokens=12,
+        temperature=0.0, extra_body={"window": 1, "tau": 1.0, "mode": "gated"})
+  finally:
+    server.proc.terminate()
+    server.proc.wait(120)
+    server.log.close()
+  lines = cli("mars_jax.generate", "--model", p["merged"], "--prompt", "What is 3 + 4?",
+              "--max-new-tokens", "12").stdout.splitlines()
+  summary = next(i for i, l in enumerate(lines) if l.startswith("--- "))
+  assert lines[0].startswith(f"=== [0] {r.usage.completion_tokens} tokens")
+  assert r.choices[0].message.content == "\n".join(lines[1:summary])
+
+
 def test_adapter_export_of_a_full_run_is_refused(tmp_path):
   run = str(tmp_path / "full")
   train(run, "--config.train.steps=1")

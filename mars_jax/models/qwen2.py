@@ -148,14 +148,16 @@ def _lora_a_init(key, shape, dtype):
 
 def low_rank(module: nn.Module, x: Array, name: str, in_shape: tuple[int, ...],
              in_axes: tuple[str, ...], out_shape: tuple[int, ...],
-             out_axes: tuple[str, ...]) -> Array | None:
+             out_axes: tuple[str, ...], rows: Array | None = None) -> Array | None:
   """The adapter of projection `name` (a `LORA_PROJECTIONS` entry, "attn/q_kernel"), or
   None when `runtime.lora` has none for it: (alpha / rank) (drop(x) A) B.
 
   x: [..., *in_shape] -> [..., *out_shape]. Params `{p}_lora_a` [*in, rank] and
   `{p}_lora_b` [rank, *out] (p: the kernel's name without "_kernel"), with the logical
   axes of the kernel's dims and "lora_rank". Dropout only when the caller passes a
-  "dropout" rng (training)."""
+  "dropout" rng (training): row i's mask is drawn from that key folded with rows[i]
+  (uint32[b], e.g. a hash of the row's tokens: the same mask wherever the row sits in
+  the batch and however the batch is split; None: the row's index)."""
   spec, rt = module.runtime.lora, module.runtime
   if spec is None or not spec.targets_projection(name):
     return None
@@ -165,7 +167,10 @@ def low_rank(module: nn.Module, x: Array, name: str, in_shape: tuple[int, ...],
   b = _param(module, f"{prefix}_lora_b", (spec.rank, *out_shape), ("lora_rank", *out_axes),
              rt.jnp_param_dtype, nn.initializers.zeros)
   if spec.dropout > 0 and module.has_rng("dropout"):
-    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - spec.dropout, x.shape)
+    key = module.make_rng("dropout")
+    ids = jnp.arange(x.shape[0], dtype=jnp.uint32) if rows is None else rows
+    keep = jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(key, i),
+                                                   1.0 - spec.dropout, x.shape[1:]))(ids)
     x = jnp.where(keep, x / (1.0 - spec.dropout), 0).astype(x.dtype)
   h = dense(x, a.astype(rt.jnp_dtype), in_dims=len(in_shape))
   return dense(h, b.astype(rt.jnp_dtype)) * jnp.asarray(spec.scale, rt.jnp_dtype)
@@ -373,37 +378,37 @@ class Attention(nn.Module):
   runtime: Runtime = DEFAULT_RUNTIME
   spans: Spans | None = None
 
-  def _proj(self, x, name, heads, heads_axis):
+  def _proj(self, x, name, heads, heads_axis, rows=None):
     """x: [b, t, embed] -> [b, t, heads, head_dim] (plus the bias where the family has one)."""
     c, rt = self.config, self.runtime
     kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, c.head_dim),
                     ("embed", heads_axis, "head_dim"), rt.jnp_param_dtype)
     out = _plus(dense(x, kernel.astype(rt.jnp_dtype)),
                 low_rank(self, x, f"attn/{name}_kernel", (c.hidden_size,), ("embed",),
-                         (heads, c.head_dim), (heads_axis, "head_dim")))
+                         (heads, c.head_dim), (heads_axis, "head_dim"), rows))
     if not c.attention_bias:
       return out
     bias = _param(self, f"{name}_bias", (heads, c.head_dim), (heads_axis, "head_dim"),
                   rt.jnp_param_dtype, nn.initializers.zeros)
     return out + bias.astype(rt.jnp_dtype)
 
-  def _query_or_key(self, x, name, heads, heads_axis, cos, sin):
+  def _query_or_key(self, x, name, heads, heads_axis, cos, sin, rows=None):
     """Projected, per-head RMS-normed where the family says (Qwen3), then rotated."""
-    h = self._proj(x, name, heads, heads_axis)
+    h = self._proj(x, name, heads, heads_axis, rows)
     if self.config.qk_norm:
       h = RMSNorm(self.config, self.runtime, name=f"{name}_norm")(h)
     return apply_rope(h, cos, sin)
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask, layer=None, cache=None, write_index=None):
+  def __call__(self, x, cos, sin, mask, layer=None, cache=None, write_index=None, rows=None):
     c, rt = self.config, self.runtime
     q = checkpoint_name(constrain(
-        self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin), HEADS_AXES),
+        self._query_or_key(x, "q", c.num_attention_heads, "heads", cos, sin, rows), HEADS_AXES),
         "query")
     k = checkpoint_name(constrain(
-        self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin),
+        self._query_or_key(x, "k", c.num_key_value_heads, "kv_heads", cos, sin, rows),
         KV_HEADS_AXES), "key")
-    v = checkpoint_name(constrain(self._proj(x, "v", c.num_key_value_heads, "kv_heads"),
+    v = checkpoint_name(constrain(self._proj(x, "v", c.num_key_value_heads, "kv_heads", rows),
                                   KV_HEADS_AXES), "value")
     new_kv = None
     if cache is None:
@@ -417,7 +422,7 @@ class Attention(nn.Module):
     o_kernel = _param(self, "o_kernel", (c.num_attention_heads, c.head_dim, c.hidden_size),
                       ("heads", "head_dim", "embed"), rt.jnp_param_dtype)
     delta = low_rank(self, out, "attn/o_kernel", (c.num_attention_heads, c.head_dim),
-                     ("heads", "head_dim"), (c.hidden_size,), ("embed",))
+                     ("heads", "head_dim"), (c.hidden_size,), ("embed",), rows)
     return _plus(dense(out, o_kernel.astype(rt.jnp_dtype), in_dims=2), delta), new_kv
 
 
@@ -426,7 +431,7 @@ class MLP(nn.Module):
   runtime: Runtime = DEFAULT_RUNTIME
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, rows=None):
     c, pdt = self.config, self.runtime.jnp_param_dtype
     gate = _param(self, "gate_kernel", (c.hidden_size, c.intermediate_size),
                   ("embed", "mlp"), pdt)
@@ -436,12 +441,12 @@ class MLP(nn.Module):
                   ("mlp", "embed"), pdt)
     dt, e, m = self.runtime.jnp_dtype, c.hidden_size, c.intermediate_size
     g = _plus(dense(x, gate.astype(dt)),
-              low_rank(self, x, "mlp/gate_kernel", (e,), ("embed",), (m,), ("mlp",)))
+              low_rank(self, x, "mlp/gate_kernel", (e,), ("embed",), (m,), ("mlp",), rows))
     u = _plus(dense(x, up.astype(dt)),
-              low_rank(self, x, "mlp/up_kernel", (e,), ("embed",), (m,), ("mlp",)))
+              low_rank(self, x, "mlp/up_kernel", (e,), ("embed",), (m,), ("mlp",), rows))
     h = checkpoint_name(constrain(nn.silu(g) * u, MLP_AXES), "mlp_hidden")
     return _plus(dense(h, down.astype(dt)),
-                 low_rank(self, h, "mlp/down_kernel", (m,), ("mlp",), (e,), ("embed",)))
+                 low_rank(self, h, "mlp/down_kernel", (m,), ("mlp",), (e,), ("embed",), rows))
 
 
 class DecoderLayer(nn.Module):
@@ -453,12 +458,13 @@ class DecoderLayer(nn.Module):
   spans: Spans | None = None
 
   @nn.compact
-  def __call__(self, x, layer, cache, cos, sin, mask, write_index):
+  def __call__(self, x, layer, cache, cos, sin, mask, write_index, rows=None):
     c, rt = self.config, self.runtime
     h, new_kv = Attention(c, rt, self.spans, name="attn")(
-        RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer, cache, write_index)
+        RMSNorm(c, rt, name="input_norm")(x), cos, sin, mask, layer, cache, write_index, rows)
     x = constrain(x + h, EMBED_AXES)
-    x = constrain(x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x)), EMBED_AXES)
+    x = constrain(x + MLP(c, rt, name="mlp")(RMSNorm(c, rt, name="post_norm")(x), rows),
+                  EMBED_AXES)
     return x, new_kv
 
 
@@ -481,7 +487,8 @@ class Qwen2ForCausalLM(nn.Module):
       self.layers = nn.scan(
           layer, variable_axes={"params": 0},
           split_rngs={"params": True, "dropout": True},
-          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast,
+                   nn.broadcast),
           length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"},
       )(c, rt, self.spans, name="layers")
     else:
@@ -499,12 +506,14 @@ class Qwen2ForCausalLM(nn.Module):
                                                   ("embed", "vocab")),
           (c.hidden_size, c.vocab_size), rt.jnp_param_dtype)
 
-  def hidden(self, tokens, positions, attn_mask, cache=None, write_index=None):
+  def hidden(self, tokens, positions, attn_mask, cache=None, write_index=None,
+             dropout_rows=None):
     """Final-normed hidden states [b, t, embed] (compute dtype) and the updated cache.
 
     With a cache, every layer reads it as it is (`cached_attention`) and returns its new
     K/V; all layers' K/V are then written in one scatter, which XLA keeps in place when
-    the cache buffer is donated (the sampler's while_loop carry)."""
+    the cache buffer is donated (the sampler's while_loop carry). dropout_rows: see
+    `low_rank`."""
     c = self.config
     x = jnp.take(self.embedding, tokens, axis=0)
     if self.mask_id is not None:
@@ -513,11 +522,11 @@ class Qwen2ForCausalLM(nn.Module):
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     if self.runtime.scan_layers:
       x, new_kv = self.layers(x, jnp.arange(c.num_hidden_layers), cache, cos, sin, attn_mask,
-                              write_index)
+                              write_index, dropout_rows)
     else:
       new = []
       for i, layer in enumerate(self.layers):
-        x, layer_kv = layer(x, i, cache, cos, sin, attn_mask, write_index)
+        x, layer_kv = layer(x, i, cache, cos, sin, attn_mask, write_index, dropout_rows)
         new.append(layer_kv)
       new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
     if cache is not None:  # cache[:, row, :, slot] <- [b, t, L, kv_heads, d]
@@ -562,13 +571,16 @@ def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
                    attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME,
-                   spans: Spans | None = None, dropout_rng: Array | None = None) -> Array:
+                   spans: Spans | None = None, dropout_rng: Array | None = None,
+                   dropout_rows: Array | None = None) -> Array:
   """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses).
   spans: static query/key spans that hold every key the mask allows (`span_attention`).
-  dropout_rng: the LoRA adapters' dropout (`runtime.lora`, training); None: none."""
+  dropout_rng: the LoRA adapters' dropout (`runtime.lora`, training); None: none.
+  dropout_rows: uint32[b], what each row's dropout masks are drawn with beside the key
+  (`low_rank`)."""
   hidden, _ = Qwen2ForCausalLM(config, runtime, spans).apply(
       {"params": params}, tokens, positions, attn_mask, method="hidden",
-      rngs=None if dropout_rng is None else {"dropout": dropout_rng})
+      dropout_rows=dropout_rows, rngs=None if dropout_rng is None else {"dropout": dropout_rng})
   return hidden
 
 

@@ -120,34 +120,34 @@ def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   denominator, so any `micro_batches` gives the gradient of the full batch.
   Gradients are taken of the trainable params alone (`lora.partition`: the adapters
   and the mask row under LoRA, every param without). `dropout_rng`: the adapters'
-  dropout (micro-batch k draws from fold_in(dropout_rng, k)); None: no dropout.
+  dropout, one key for every micro-batch (each row's masks are drawn from it and the
+  row's tokens, so a row gets the same masks in whichever micro-batch, on whichever
+  process, it lands); None: no dropout.
   -> (grads: like the trainable params, sums: see `objective.objective_sums`).
   """
   trainable, frozen = lora.partition(params)
 
-  def sum_loss(t, mb, k):
-    rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, k)
+  def sum_loss(t, mb):
     sums = objective_lib.objective_sums(model_config, lora.combine(t, frozen), mb, objective,
-                                        runtime=runtime, dropout_rng=rng)
+                                        runtime=runtime, dropout_rng=dropout_rng)
     return sums["loss"], sums
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
   if micro_batches == 1:
-    grads, sums = grad_fn(trainable, batch, 0)
+    grads, sums = grad_fn(trainable, batch)
   else:
     mbs = split_micro_batches(batch, micro_batches)
     first = jax.tree.map(lambda x: x[0], mbs)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
-                         jax.eval_shape(grad_fn, trainable, first, 0))
+                         jax.eval_shape(grad_fn, trainable, first))
 
-    def body(acc, xs):
-      mb, k = xs
+    def body(acc, mb):
       if micro_batch_sharding is not None:
         mb = jax.lax.with_sharding_constraint(mb, micro_batch_sharding)
-      out = grad_fn(trainable, mb, k)
+      out = grad_fn(trainable, mb)
       return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, out), None
 
-    (grads, sums), _ = jax.lax.scan(body, zeros, (mbs, jnp.arange(micro_batches)))
+    (grads, sums), _ = jax.lax.scan(body, zeros, mbs)
   denom = jnp.maximum(sums["denom"], 1.0)
   grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, trainable)
   return grads, sums

@@ -130,8 +130,8 @@ def test_a_step_trains_the_adapters_and_the_mask_row_and_nothing_else():
 
 
 def test_micro_batches_are_exact_and_dropout_is_seeded():
-  """Gradients of the adapters alone; 2 micro-batches give those of 1; dropout draws
-  from its key (the same key, the same loss)."""
+  """Gradients of the adapters alone; 2 micro-batches give those of 1, with dropout too;
+  dropout draws from its key (the same key, the same loss)."""
   spec = LoraSpec(rank=4, alpha=8.0, dropout=0.3, mask_token_id=MASK)
   _, state, _ = _step_setup(spec)
   obj = objective.ObjectiveConfig(kind="mars", block_size=4, mask_token_id=MASK,
@@ -142,15 +142,19 @@ def test_micro_batches_are_exact_and_dropout_is_seeded():
   def grads(params, batch, key):
     g1, s1 = ts.loss_and_grads(TINY, obj, params, batch, runtime=rt)
     g2, _ = ts.loss_and_grads(TINY, obj, params, batch, micro_batches=2, runtime=rt)
-    _, d = ts.loss_and_grads(TINY, obj, params, batch, runtime=rt, dropout_rng=key)
-    return g1, g2, s1["loss"], d["loss"]
+    d1, d = ts.loss_and_grads(TINY, obj, params, batch, runtime=rt, dropout_rng=key)
+    d2, _ = ts.loss_and_grads(TINY, obj, params, batch, micro_batches=2, runtime=rt,
+                              dropout_rng=key)
+    return (g1, g2, d1, d2), s1["loss"], d["loss"]
 
   params = _perturbed(state.params)
-  g1, g2, plain, dropped = grads(params, _batch(), jax.random.key(0))
+  (g1, g2, d1, d2), plain, dropped = grads(params, _batch(), jax.random.key(0))
   assert jax.tree.structure(g1) == jax.tree.structure(lora.partition(params)[0])
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), g1, g2)
-  _, _, _, again = grads(params, _batch(), jax.random.key(0))
-  _, _, _, other = grads(params, _batch(), jax.random.key(1))
+  close = lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+  jax.tree.map(close, g1, g2)
+  jax.tree.map(close, d1, d2)   # a row's dropout masks do not depend on its micro-batch
+  _, _, again = grads(params, _batch(), jax.random.key(0))
+  _, _, other = grads(params, _batch(), jax.random.key(1))
   assert float(dropped) == float(again)
   assert float(dropped) != float(plain) and float(dropped) != float(other)
 

@@ -4,10 +4,8 @@ a LoRA run loaded by generate and evaluate."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ import pytest
 import qwen_tokenizers as qt
 import user_path_fixtures as fx
 from test_multiprocess import train_2proc
-from test_train import assert_bitwise, losses, params_of, train
+from test_train import assert_bitwise, kill_after_a_checkpoint, losses, params_of, train
 from test_user_path import ROOT, cli
 
 from mars_jax import checkpoint, hf, lora, objective, peft_adapter, sharding
@@ -338,20 +336,7 @@ def test_kill_9_then_resume_is_bitwise(tmp_path):
   straight = str(tmp_path / "straight")
   train(straight, *LORA, "--config.train.steps=6", "--config.train.checkpoint_every=3")
   d = str(tmp_path / "killed")
-  proc = train(d, *LORA, "--config.train.steps=6", "--config.train.checkpoint_every=1",
-               "--config.train.async_checkpoint=False", background=True)
-  ckpts = os.path.join(d, "checkpoints")
-  deadline = time.time() + 300
-  while time.time() < deadline and proc.poll() is None:
-    done = [s for s in os.listdir(ckpts) if s.isdigit()] if os.path.isdir(ckpts) else []
-    if any(int(s) >= 2 for s in done):
-      break
-    time.sleep(0.2)
-  assert proc.poll() is None, "the run finished before it could be killed"
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  _, killed_at = checkpoint.resolve_checkpoint(d)
-  assert 2 <= killed_at < 6
+  killed_at = kill_after_a_checkpoint(d, *LORA)
   train(d, *LORA, "--config.train.steps=6", "--config.train.checkpoint_every=1")
   got, ref = losses(d), losses(straight)
   assert all(got[s] == ref[s] for s in range(killed_at + 1, 7))

@@ -93,23 +93,30 @@ def test_resume_keeps_the_recorded_precision(straight):
   assert "runtime.dtype: checkpoint has 'float32', config asks 'bfloat16'" in r.stderr
 
 
-def test_sigkill_leaves_a_restorable_checkpoint(straight, tmp_path):
-  d = str(tmp_path / "killed")
-  proc = train(d, "--config.train.steps=6", "--config.train.checkpoint_every=1",
-               "--config.train.async_checkpoint=False", background=True)
-  ckpts = os.path.join(d, "checkpoints")
+def kill_after_a_checkpoint(run_dir, *extra, steps=6, at_least=2) -> int:
+  """Starts a `steps`-step run that checkpoints every step, sends it SIGKILL once step
+  `at_least` is saved, and returns the step of its last complete checkpoint."""
+  proc = train(run_dir, f"--config.train.steps={steps}", "--config.train.checkpoint_every=1",
+               "--config.train.async_checkpoint=False", *extra, background=True)
+  ckpts = os.path.join(run_dir, "checkpoints")
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
     done = [s for s in os.listdir(ckpts) if s.isdigit()] if os.path.isdir(ckpts) else []
-    if any(int(s) >= 2 for s in done):
+    if any(int(s) >= at_least for s in done):
       break
     time.sleep(0.2)
   assert proc.poll() is None, "the run finished before it could be killed"
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   from mars_jax import checkpoint
-  _, killed_at = checkpoint.resolve_checkpoint(d)
-  assert 2 <= killed_at < 6
+  _, killed_at = checkpoint.resolve_checkpoint(run_dir)
+  assert at_least <= killed_at < steps
+  return killed_at
+
+
+def test_sigkill_leaves_a_restorable_checkpoint(straight, tmp_path):
+  d = str(tmp_path / "killed")
+  killed_at = kill_after_a_checkpoint(d)
   r = train(d, "--config.train.steps=6", "--config.train.checkpoint_every=1")
   got, ref = losses(d), losses(straight)
   assert all(got[s] == ref[s] for s in range(killed_at + 1, 7))

@@ -73,7 +73,7 @@ def variant_config(cfg, name: str, parent_dir: str | None):
     c.train.steps = cfg.study.parent_steps
     c.optimizer.learning_rate = cfg.study.parent_learning_rate
   else:
-    kind, block, ar_weight, intra = VARIANTS.get(name, VARIANTS["mars_b4"])
+    kind, block, ar_weight, intra = _objective_of(name)
     if name in LORA_VARIANTS:
       rank, train_mask_row = LORA_VARIANTS[name]
       c.lora.update(rank=rank, alpha=2.0 * rank, train_mask_row=train_mask_row)
@@ -84,12 +84,23 @@ def variant_config(cfg, name: str, parent_dir: str | None):
   return c
 
 
+def _objective_of(name: str) -> tuple[str, int, float, str]:
+  """(objective.kind, block_size, ar_weight, intra_block) of a variant; a LoRA variant
+  trains mars_b4's objective."""
+  if name in LORA_VARIANTS:
+    return VARIANTS["mars_b4"]
+  if name not in VARIANTS:
+    raise ValueError(f"study.variants: unknown variant {name!r}; expected one of "
+                     f"{[*VARIANTS, *LORA_VARIANTS]}.")
+  return VARIANTS[name]
+
+
 def eval_settings(name: str, cfg) -> list[tuple[str, int, float]]:
   """(gate, window, tau) to evaluate: AR only for AR models; else window B (and B+1 at
   B=4) at every tau and gate, plus AR mode."""
   if name in ("parent", "control"):
     return [("probability", 1, 1.0)]
-  block = VARIANTS.get(name, VARIANTS["mars_b4"])[1]
+  block = _objective_of(name)[1]
   windows = [block, block + 1] if block == 4 else [block]
   out = [("probability", 1, 1.0)]
   for gate in cfg.study.gates:

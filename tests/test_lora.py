@@ -355,3 +355,16 @@ def test_two_processes_equal_one(tmp_path):
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], atol=1e-5, rtol=0)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=0),
                _unmerged(two), _unmerged(one))
+
+
+def test_study_lora_variants_train_mars_b4_through_adapters():
+  from test_configs import load
+  from mars_jax import study
+  cfg = load(os.path.join(ROOT, "configs", "study.py"))
+  c = study.variant_config(cfg, "lora_r32_frozen_mask", "runs/parent")
+  assert (c.lora.rank, c.lora.alpha, c.lora.train_mask_row) == (32, 64.0, False)
+  assert (c.objective.kind, c.objective.block_size, c.objective.ar_weight) == ("mars", 4, 1.0)
+  assert c.model.init == "runs/parent" and c.train.steps == cfg.study.child_steps
+  assert study.variant_config(cfg, "mars_b4", "runs/parent").lora.rank == 0
+  with pytest.raises(ValueError, match="unknown variant 'lora_r7'"):
+    study.variant_config(cfg, "lora_r7", "runs/parent")

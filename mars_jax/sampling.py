@@ -13,6 +13,7 @@ The decoding loop lives in `mars_jax.decoding`, one job per module:
   timing.py    measured seconds per step of a compiled variant;
   window_policy.py, rounds.py   the load-aware window, and rounds of steps at the W it
                chooses;
+  speculative.py  two-model decoding: a drafter (AR or MARS) drafts, the target verifies;
   mesh.py      decoding on a mesh: the shardings of the weights and the loop state.
 
 `mars_jax.serve` holds continuous batching. docs/design.md explains the slot layout,
@@ -28,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding import batching, loop, rounds, stops, timing
+from mars_jax.decoding import batching, loop, rounds, speculative, stops, timing
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.batching import GenerateResult
 from mars_jax.decoding.loop import DecodeState
@@ -68,7 +69,8 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
              seed: int | Sequence[int] = 0, stop: str | Sequence | None = None,
              stop_token_ids: Sequence = (), tokenizer=None,
              policy: WindowPolicy | None = None, runtime: Runtime = DEFAULT_RUNTIME,
-             mesh: Mesh | None = None) -> GenerateResult:
+             mesh: Mesh | None = None, drafter: speculative.Drafter | None = None,
+             draft_window: int = 4) -> GenerateResult:
   """AR (window=1), MARS, or lossless MARS decoding of a ragged batch of prompts,
   greedy or sampled.
 
@@ -100,6 +102,14 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
   decode on (weights split over tensor, rows over data; see
   `mars_jax.decoding.mesh`; the params are placed there unless they already are), or
   None: one device. The tokens are those of one device.
+
+  drafter: a `speculative.Drafter` (another model over the same tokenizer, AR or MARS):
+  each round it drafts up to `draft_window` (K) tokens and this model verifies them in
+  one forward, with `window` - 1 MASK slots after them whose gated proposals (tau,
+  metric) start the next round's drafts (window 1: an AR target). The output is this
+  model's AR output, greedy or sampled with the same seed, token for token (`mode` is
+  not read); `forwards` count this model's, `drafter_forwards` the drafter's. One
+  device, a fixed window.
   """
   controls = dict(tau=tau, metric=metric, temperature=temperature, top_k=top_k,
                   top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
@@ -108,7 +118,23 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
     raise ValueError(f"window={window!r}; expected an int >= 1 or 'auto'.")
   stop_rows = stops.check_stops(stop, len(prompts))
   stopped = [False] * len(prompts)
-  if window == "auto" or policy is not None or any(stop_rows):
+  if drafter is not None:
+    if policy is not None or mesh is not None:
+      raise ValueError("decoding with a drafter runs on one device at a fixed window: "
+                       "pass neither policy= nor mesh=.")
+    speculative.check_args(config, drafter, prompts, max_new_tokens,
+                           draft_window=draft_window, window=window)
+    batching.check_prompts(config, prompts, max_new_tokens)
+    batching.check_args(config, window=window, mode="lossless", mask_token_id=mask_token_id)
+    bucket = batching.bucket(prompts, batching.pow2(len(prompts)),
+                             max_new_tokens=max_new_tokens, **controls)
+    scan = stops.StopScan(tokenizer, stop_rows + [()] * (len(bucket.prompt_len) - len(prompts)))
+    out = speculative.generate(config, params, len(prompts), bucket, drafter,
+                               draft_window=draft_window, window=window,
+                               mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
+                               scan=scan, runtime=runtime)
+    stopped = scan.stopped[:len(prompts)]
+  elif window == "auto" or policy is not None or any(stop_rows):
     batching.check_prompts(config, prompts, max_new_tokens)
     policy = policy or (WindowPolicy(costs=timing.shared_costs(config, mode=mode,
                                                                runtime=runtime, mesh=mesh))

@@ -41,6 +41,9 @@ class GenerateResult:
     string), or "length" (max_new_tokens reached).
   texts: per prompt, when a tokenizer was given: the decoded continuation (special
     tokens skipped) without its final EOS or stop id, cut before the first stop string.
+  drafter_forwards: with a drafter (`mars_jax.decoding.speculative`), per prompt, the
+    drafter forwards it drafted in; drafter_steps: drafter forwards run for the batch.
+    `forwards` and `num_forwards` then count the target's.
   """
   tokens: list[list[int]]
   num_forwards: list[int]
@@ -48,6 +51,8 @@ class GenerateResult:
   windows: dict[int, int] = dataclasses.field(default_factory=dict)
   finish_reasons: list[str] = dataclasses.field(default_factory=list)
   texts: list[str] | None = None
+  drafter_forwards: list[int] = dataclasses.field(default_factory=list)
+  drafter_steps: int = 0
 
   @property
   def num_tokens(self) -> list[int]:
@@ -57,6 +62,11 @@ class GenerateResult:
   def tokens_per_forward(self) -> float:
     """Generated tokens per forward of a sample (1.0 for AR), over the batch."""
     return sum(self.num_tokens) / max(sum(self.num_forwards), 1)
+
+  @property
+  def drafter_forwards_per_token(self) -> float:
+    """Drafter forwards per generated token, over the batch (0.0 without a drafter)."""
+    return sum(self.drafter_forwards) / max(sum(self.num_tokens), 1)
 
 
 def pow2(n: int, minimum: int = 1) -> int:

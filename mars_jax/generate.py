@@ -7,6 +7,7 @@ sampled.
   python -m mars_jax.generate --model HF_DIR --prompt "..." --temperature 0.7 --top-p 0.9 \\
       --seed 1 --stop "Question:"
   python -m mars_jax.generate --model HF_DIR --prompt "..." --mesh tensor=8
+  python -m mars_jax.generate --model TARGET --drafter DRAFT --draft-window 4 --prompt "..."
 
 --model is a Hugging Face directory (config.json + safetensors + tokenizer) or a
 training run directory (latest checkpoint, or RUN_DIR/STEP). Prompts get the
@@ -15,9 +16,18 @@ tokenizer's chat template as one user turn (--system adds a system turn;
 {"messages": [{"role": ..., "content": ...}, ...]}; a trailing assistant turn is
 dropped, so chat data files work as prompt files.
 
+--drafter DRAFT decodes with a second model that shares the target's tokenizer (AR or
+MARS, any size): each round it drafts up to --draft-window K tokens and the target
+verifies them in one forward (mars_jax.decoding.speculative). The output is the target's
+AR output, greedy or sampled with the same seed. A MARS drafter (a run trained with
+MARS, or --drafter-window > 1) drafts several tokens a forward while --tau holds; a
+target --window W > 1 adds W - 1 MASK slots to its forward, whose proposals under the
+gate start the next round's drafts.
+
 Each prompt prints as a `=== [i] N tokens, F forwards, X tokens/forward, finish: R`
-line (R: eos, stop or length) and its text (special tokens skipped, cut before the
-first --stop string); a `---` line sums up the run.
+line (R: eos, stop or length; with a drafter, F counts the target's forwards and the
+drafter's follow) and its text (special tokens skipped, cut before the first --stop
+string); a `---` line sums up the run.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from mars_jax import choices, sampling
 from mars_jax.decoding import batching, gates
 from mars_jax.choices import Mode
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.loading import chat_prompt_ids, load_model, warn_untrained_windows
+from mars_jax.loading import chat_prompt_ids, load_drafter, load_model, warn_untrained_windows
 from mars_jax.models.qwen2 import Runtime
 
 SEED_RANGE = 1 << 32  # seeds are uint32
@@ -140,6 +150,14 @@ def main(argv=None) -> None:
                  help="decode on a mesh of the devices: AXIS=SIZE pairs over data, fsdp, "
                       "tensor (e.g. tensor=8 or data=2,tensor=4; see docs/serving.md); "
                       "default: one device")
+  p.add_argument("--drafter", default=None,
+                 help="a drafter model (HF directory or run) with the target's tokenizer: "
+                      "two-model decoding, the target's AR output")
+  p.add_argument("--draft-window", type=int, default=4,
+                 help="with --drafter: tokens drafted per round, K")
+  p.add_argument("--drafter-window", type=int, default=None,
+                 help="with --drafter: its tokens per forward (1: AR drafting; default: a "
+                      "MARS run's B + 1, at most K, else 1)")
   args = p.parse_args(argv)
   try:
     run(args)
@@ -155,6 +173,13 @@ def run(args) -> None:
   model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
   if window != "auto":
     warn_untrained_windows(args.model, [window])
+  drafter = None
+  if args.drafter is not None:
+    if window == "auto":
+      raise ValueError("--window auto is not available with --drafter; give the target's "
+                       "window (1: an AR target).")
+    drafter = load_drafter(args.drafter, model, args.model, draft_window=args.draft_window,
+                           window=args.drafter_window, runtime=runtime)
   config, params, tokenizer = model.config, model.params, model.tokenizer
   if args.prompt is not None:
     chats = [([{"role": "system", "content": args.system}] if args.system else [])
@@ -164,7 +189,7 @@ def run(args) -> None:
   prompts = encode(tokenizer, chats, raw=args.raw)
   budget = budgets(config.max_position_embeddings, prompts, args.max_new_tokens)
   seeds = prompt_seeds(args.seed, len(prompts))
-  tokens = forwards = 0
+  tokens = forwards = drafter_forwards = 0
   start = time.perf_counter()
   for b in range(0, len(prompts), args.batch_size):
     rows = slice(b, b + args.batch_size)
@@ -174,16 +199,22 @@ def run(args) -> None:
                             window=window, mode=args.mode, metric=args.metric,
                             temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=seeds[rows], stop=args.stop,
-                            tokenizer=tokenizer, runtime=model.runtime, mesh=model.mesh)
+                            tokenizer=tokenizer, runtime=model.runtime, mesh=model.mesh,
+                            drafter=drafter, draft_window=args.draft_window)
     for i, (toks, fwd) in enumerate(zip(out.tokens, out.num_forwards)):
+      drafted = (f", {out.drafter_forwards[i]} drafter forwards" if drafter else "")
       print(f"=== [{b + i}] {len(toks)} tokens, {fwd} forwards, "
-            f"{len(toks) / fwd:.2f} tokens/forward, finish: {out.finish_reasons[i]}")
+            f"{len(toks) / fwd:.2f} tokens/forward{drafted}, finish: {out.finish_reasons[i]}")
       print(out.texts[i])
     tokens += sum(out.num_tokens)
     forwards += sum(out.num_forwards)
+    drafter_forwards += sum(out.drafter_forwards)
   seconds = time.perf_counter() - start
+  drafted = (f"{drafter_forwards / max(tokens, 1):.3f} drafter forwards/token "
+             f"(drafter {args.drafter}, K={args.draft_window}, drafter window "
+             f"{drafter.window}); " if drafter else "")
   print(f"--- {len(prompts)} prompts, {tokens} tokens, {tokens / max(forwards, 1):.3f} "
-        f"tokens/forward, {tokens / seconds:.1f} tokens/s (compilation included); "
+        f"tokens/forward, {drafted}{tokens / seconds:.1f} tokens/s (compilation included); "
         f"window={args.window} mode={args.mode} tau={args.tau} metric={args.metric} "
         f"temperature={args.temperature} top_k={args.top_k} top_p={args.top_p} "
         f"seed={args.seed}")

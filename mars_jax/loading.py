@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from mars_jax import checkpoint, hf
 from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.decoding import speculative
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 
@@ -123,3 +124,42 @@ def warn_untrained_windows(path: str, windows: Sequence[int]) -> None:
         "proposals past the first B+1 were never trained (expect fewer accepted tokens "
         "per forward); use a window <= %d.", ",".join(map(str, over)), block + 1, path,
         block, block + 1)
+
+
+def check_same_tokenizer(target, drafter, target_where: str, drafter_where: str) -> None:
+  """Raises ValueError when the drafter's tokenizer is not the target's: a token of
+  either vocabulary (special and added tokens included) missing from the other or at
+  another id, `<|mask|>` aside (an AR model has none; a MARS run added its own). The
+  embedding row counts may differ."""
+  def vocab(tok):
+    return {t: i for t, i in tok.get_vocab().items() if t != hf.MASK_TOKEN}
+  want, have = vocab(target), vocab(drafter)
+  if want == have:
+    return
+  differ = sorted((i, t) for t, i in want.items() if have.get(t) != i)
+  extra = sorted((i, t) for t, i in have.items() if t not in want)
+  shown = [f"{t!r} ({i})" for i, t in (differ + extra)[:5]]
+  raise ValueError(
+      f"{drafter_where}: the drafter's tokenizer is not the target's ({target_where}): "
+      f"{len(differ)} of the target's tokens are missing or at other ids and {len(extra)} "
+      f"are extra, e.g. {', '.join(shown)}. A drafter must share the target's tokenizer "
+      "(vocabulary and special tokens).")
+
+
+def load_drafter(path: str, target: LoadedModel, target_path: str, *, draft_window: int,
+                 window: int | None = None, runtime: Runtime | None = None
+                 ) -> speculative.Drafter:
+  """The drafter at `path` for `target` (loaded from `target_path`), its tokenizer checked
+  against the target's. window: its drafting window (None: a MARS run's trained B + 1, at
+  most draft_window; 1, AR drafting, for a model that was not trained with MARS)."""
+  if target.mesh is not None:
+    raise ValueError("decoding with a drafter runs on one device; drop --mesh.")
+  model = load_model(path, runtime=runtime)
+  check_same_tokenizer(target.tokenizer, model.tokenizer, target_path, path)
+  if window is None:
+    block = trained_block_size(path)
+    window = 1 if block is None else min(block + 1, draft_window)
+  else:
+    warn_untrained_windows(path, [window])
+  return speculative.Drafter(model.config, model.params, model.mask_token_id, model.runtime,
+                             window)

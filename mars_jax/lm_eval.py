@@ -28,7 +28,11 @@ attention_impl, max_length (default: the model's max_position_embeddings),
 max_gen_toks (default budget when a task sets none: 256), mesh (decode on a mesh
 of the devices, AXIS=SIZE pairs joined by "+" since commas separate model_args:
 mesh=data=2+tensor=4, or mesh=tensor=8; see docs/serving.md), seed (sampling: the
-i-th request of a generate_until call samples with seed + i; default 0).
+i-th request of a generate_until call samples with seed + i; default 0), drafter (a
+second model with the same tokenizer: generate_until decodes with it drafting up to
+draft_window tokens a round, default 4, and gives the target's AR output; window is
+then the target's, 1 for an AR target), drafter_window (default: a MARS run's B + 1,
+at most draft_window, else 1).
 
 Tokens per forward: generated tokens (up to the EOS or the token that completed a
 stop string, included; nothing decoded past it) / forwards of the samples,
@@ -75,7 +79,7 @@ from mars_jax.choices import Metric, Mode  # noqa: E402
 from mars_jax.decoding import batching  # noqa: E402
 from mars_jax.decoding import mesh as decode_mesh  # noqa: E402
 from mars_jax.generate import check_seed, prompt_seeds  # noqa: E402
-from mars_jax.loading import load_model, warn_untrained_windows  # noqa: E402
+from mars_jax.loading import load_drafter, load_model, warn_untrained_windows  # noqa: E402
 from mars_jax.models import qwen2  # noqa: E402
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime  # noqa: E402
 
@@ -131,7 +135,8 @@ class MarsJaxLM(TemplateLM):
                dtype: str | None = None, attention_impl: str | None = None,
                max_length: int | None = None, max_gen_toks: int = 256,
                mesh: str | None = None, seed: int = 0, device: str | None = None,
-               max_batch_size: int | None = None) -> None:
+               max_batch_size: int | None = None, drafter: str | None = None,
+               draft_window: int = 4, drafter_window: int | None = None) -> None:
     super().__init__()
     del device, max_batch_size  # JAX places the model; batches are fixed-size
     if isinstance(batch_size, str) and not batch_size.isdigit():
@@ -158,6 +163,17 @@ class MarsJaxLM(TemplateLM):
                         mask_token_id=self.model.mask_token_id)
     if self.window != "auto":
       warn_untrained_windows(self.pretrained, [self.window])
+    self.drafter = None
+    self.draft_window = int(draft_window)
+    if drafter is not None:
+      if self.window == "auto":
+        raise ValueError("window=auto is not available with a drafter; give the target's "
+                         "window (1: an AR target).")
+      self.drafter = load_drafter(str(drafter), self.model, self.pretrained,
+                                  draft_window=self.draft_window,
+                                  window=None if drafter_window is None else int(drafter_window),
+                                  runtime=runtime)
+    self.drafter_path = drafter and str(drafter)
     self.tokenizer = self.model.tokenizer
     self._max_length = int(max_length or self.model.config.max_position_embeddings)
     self._max_gen_toks = int(max_gen_toks)
@@ -237,6 +253,8 @@ class MarsJaxLM(TemplateLM):
     return {MODEL_NAME: {
         "pretrained": self.pretrained, "window": self.window, "tau": self.tau,
         "metric": self.metric, "mode": self.mode, "seed": self.seed,
+        "drafter": self.drafter_path, "draft_window": self.draft_window,
+        "drafter_window": self.drafter and self.drafter.window,
         "runtime": self.model.runtime.to_dict(),
         "max_length": self.max_length,
         "tasks": {task: {**s, METRIC: s["generated_tokens"] / max(s["forwards"], 1)}
@@ -280,13 +298,17 @@ class MarsJaxLM(TemplateLM):
             eos_token_ids=self.model.eos_token_ids, tau=self.tau, window=self.window,
             metric=self.metric, mode=self.mode, seed=[seeds[i] for i in batch],
             stop=until, tokenizer=self.tokenizer, runtime=self.model.runtime,
-            mesh=self.model.mesh, **sample)
-        for i, text, toks, fwd in zip(batch, res.texts, res.tokens, res.num_forwards):
+            mesh=self.model.mesh, drafter=self.drafter, draft_window=self.draft_window,
+            **sample)
+        drafted = res.drafter_forwards or [0] * len(batch)
+        for i, text, toks, fwd, dfwd in zip(batch, res.texts, res.tokens, res.num_forwards,
+                                            drafted):
           out[i] = text
           s = self.stats.setdefault(requests[i].task_name or "", {
-              "generated_tokens": 0, "forwards": 0, "requests": 0})
+              "generated_tokens": 0, "forwards": 0, "drafter_forwards": 0, "requests": 0})
           s["generated_tokens"] += len(toks)
           s["forwards"] += int(fwd)
+          s["drafter_forwards"] += int(dfwd)
           s["requests"] += 1
           self.cache_hook.add_partial("generate_until", requests[i].args, text)
         bar.update(len(batch))

@@ -126,6 +126,13 @@ def warn_untrained_windows(path: str, windows: Sequence[int]) -> None:
         block, block + 1)
 
 
+def trained_window(path: str, cap: int) -> int:
+  """The window the model at `path` drafts or verifies with by default: a MARS run's
+  B + 1, at most `cap`; 1 for a model not trained with MARS."""
+  block = trained_block_size(path)
+  return 1 if block is None else min(block + 1, cap)
+
+
 def check_same_tokenizer(target, drafter, target_where: str, drafter_where: str) -> None:
   """Raises ValueError when the drafter's tokenizer is not the target's: a token of
   either vocabulary (special and added tokens included) missing from the other or at
@@ -157,8 +164,7 @@ def load_drafter(path: str, target: LoadedModel, target_path: str, *, draft_wind
   model = load_model(path, runtime=runtime)
   check_same_tokenizer(target.tokenizer, model.tokenizer, target_path, path)
   if window is None:
-    block = trained_block_size(path)
-    window = 1 if block is None else min(block + 1, draft_window)
+    window = trained_window(path, draft_window)
   else:
     warn_untrained_windows(path, [window])
   return speculative.Drafter(model.config, model.params, model.mask_token_id, model.runtime,

@@ -169,12 +169,13 @@ def test_a_prompt_samples_by_its_seed_alone(model):
 SAMPLES = 1 << 15
 
 
-def first_tokens(config, params, *, window, mode, tau, seeds, count=3):
-  """The first `count` tokens of SAMPLES samples of one prompt -> int array [SAMPLES]
-  (one cell id per joint outcome)."""
+def first_tokens(config, params, *, seeds, count=3, **kw):
+  """The first `count` tokens of len(seeds) samples of one prompt (temperature 1, top-p
+  0.9; kw: `sampling.generate`'s window, mode, tau, drafter, ...) -> int array
+  [len(seeds)] (one cell id per joint outcome)."""
   out = sampling.generate(config, params, [[60, 61]] * len(seeds), max_new_tokens=count,
-                          mask_token_id=MASK_ID, eos_token_ids=[], window=window, mode=mode,
-                          tau=tau, temperature=1.0, top_p=0.9, seed=seeds)
+                          mask_token_id=MASK_ID, eos_token_ids=[], temperature=1.0,
+                          top_p=0.9, seed=seeds, **kw)
   tokens = np.asarray(out.tokens)
   return (tokens[:, 0] * config.vocab_size + tokens[:, 1]) * config.vocab_size + tokens[:, 2]
 

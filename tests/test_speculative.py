@@ -11,9 +11,10 @@ target with noise on every weight, and another random model with more embedding 
 import jax
 import numpy as np
 import pytest
+from test_sampled_decoding import SAMPLES, first_tokens, two_sample_chi2
 from test_sampling import MASK_ID, PROMPTS, model  # noqa: F401  (the fixture)
 
-from mars_jax import hf, sampling
+from mars_jax import hf, sampling, serve
 from mars_jax.decoding import speculative
 
 EOS = [2, 9]
@@ -63,3 +64,68 @@ def test_greedy_equals_the_targets_ar(model, drafters, name, k, target_window,
     assert all(f <= -(-n // (k + 1)) + 1 for f, n in zip(out.num_forwards, out.num_tokens))
   print(name, k, target_window, drafter_window, tau, out.tokens_per_forward,
         out.drafter_forwards_per_token)
+
+
+@pytest.mark.parametrize("k,target_window,drafter_window,tau", [
+    (4, 1, 1, 1.0), (3, 3, 4, 0.3)])
+def test_sampled_equals_the_targets_ar_sampling(model, drafters, k, target_window,
+                                                drafter_window, tau):
+  """Temperature 0.9, top-p 0.95, a seed per prompt: the tokens of the target's own AR
+  sampling with the same seeds (the drafts share the verifying draws' noise)."""
+  kw = dict(temperature=0.9, top_p=0.95, seed=SEEDS)
+  want = reference(model, **kw)
+  config, params = model
+  for name in ("noisy", "other"):
+    d_config, d_params = drafters[name]
+    out = sampling.generate(config, params, PROMPTS, max_new_tokens=BUDGETS,
+                            mask_token_id=MASK_ID, eos_token_ids=EOS, window=target_window,
+                            tau=tau, draft_window=k, **kw,
+                            drafter=speculative.Drafter(d_config, d_params, MASK_ID,
+                                                        window=drafter_window))
+    assert out.tokens == want.tokens, name
+
+
+def test_two_model_sampling_keeps_the_ar_distribution(model, drafters):
+  """The sampling issue's test with two models: the joint law of the first 3 tokens
+  (temperature 1, top-p 0.9) of AR sampling on seeds [0, N) against the noisy drafter
+  (MARS drafting, W_d = 3) and a MARS-windowed target (W_t = 3) at K = 3 on seeds
+  [N, 2N), N = 32,768, by a two-sample chi-square at p = 1e-4."""
+  config, params = model
+  ar = first_tokens(config, params, window=1, mode="gated", tau=1.0,
+                    seeds=list(range(SAMPLES)))
+  d_config, d_params = drafters["noisy"]
+  spec = first_tokens(config, params, window=3, mode="lossless", tau=0.3,
+                      seeds=list(range(SAMPLES, 2 * SAMPLES)), draft_window=3,
+                      drafter=speculative.Drafter(d_config, d_params, MASK_ID, window=3))
+  stat, threshold, cells = two_sample_chi2(ar, spec)
+  print(f"two models K=3: chi2 {stat:.1f} < {threshold:.1f} ({cells} cells)")
+  assert stat < threshold
+
+
+def test_server_with_a_drafter_equals_generate(model, drafters):
+  """Continuous batching with a drafter (2 rows, 4 requests, 3 rounds a step): each
+  request's tokens are the target's AR tokens, greedy and sampled, with a stop id; a gated
+  request or another window is refused."""
+  config, params = model
+  d_config, d_params = drafters["noisy"]
+  drafter = speculative.Drafter(d_config, d_params, MASK_ID, window=3)
+  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=EOS,
+                        batch_size=2, max_len=64, window=3, round_steps=3, tau=0.3,
+                        drafter=drafter, draft_window=3)
+  sampled = dict(temperature=0.8, top_p=0.9)
+  greedy = reference(model)
+  want = reference(model, seed=SEEDS, **sampled)
+  stop_id = want.tokens[2][4]
+  ids = [server.submit(p, max_new_tokens=b, seed=s,
+                       stop_token_ids=[stop_id] if i == 2 else (), **sampled)
+         for i, (p, b, s) in enumerate(zip(PROMPTS, BUDGETS, SEEDS))]
+  ids += [server.submit(p, max_new_tokens=b) for p, b in zip(PROMPTS, BUDGETS)]
+  done = server.run()
+  for i, rid in enumerate(ids[:4]):
+    k = want.tokens[i].index(stop_id) + 1 if i == 2 else len(want.tokens[i])
+    assert done[rid].tokens == want.tokens[i][:k]
+    assert done[rid].drafter_forwards > 0
+  assert [done[rid].tokens for rid in ids[4:]] == greedy.tokens
+  for bad in (dict(mode="gated"), dict(window=2)):
+    with pytest.raises(ValueError, match="drafter"):
+      server.submit(PROMPTS[0], max_new_tokens=4, **bad)

@@ -11,6 +11,12 @@ live batch (`WindowPolicy` over --windows), measuring each compiled shape's step
 once per process (or reading --cost-table). SIGTERM or Ctrl-C stops admitting, lets
 in-flight requests finish for up to --shutdown-timeout seconds, then cancels the rest
 and exits.
+
+--drafter DRAFT serves the model's AR output with a second model drafting for it
+(mars_jax.decoding.speculative): up to --draft-window K tokens a round, verified in one
+forward. Every request is then lossless; its tau and gate decide how the drafter (a MARS
+run drafts several tokens a forward) and the model's own MASK slots draft. --window
+auto means the model's trained B + 1 (at most K) for a MARS run, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from mars_jax import choices
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import WindowPolicy
-from mars_jax.loading import load_model, trained_block_size, warn_untrained_windows
+from mars_jax.loading import (load_drafter, load_model, trained_block_size, trained_window,
+                              warn_untrained_windows)
 from mars_jax.models.qwen2 import Runtime
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
@@ -68,6 +75,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", default=None, help="decode on a mesh, e.g. tensor=8 (see generate)")
   p.add_argument("--shutdown-timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM")
+  p.add_argument("--drafter", default=None,
+                 help="a drafter model (HF directory or run) with the model's tokenizer")
+  p.add_argument("--draft-window", type=int, default=4,
+                 help="with --drafter: tokens drafted per round, K")
+  p.add_argument("--drafter-window", type=int, default=None,
+                 help="with --drafter: its tokens per forward (1: AR drafting; default: a "
+                      "MARS run's B + 1, at most K, else 1)")
   p.add_argument("--log-level", default="info",
                  choices=["critical", "error", "warning", "info", "debug"])
   return p
@@ -92,8 +106,15 @@ def build(args):
   fixed = None if args.window == "auto" else int(args.window)
   runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
   model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
+  drafter = None
+  if args.drafter is not None:
+    fixed = fixed or trained_window(args.model, args.draft_window)
+    drafter = load_drafter(args.drafter, model, args.model, draft_window=args.draft_window,
+                           window=args.drafter_window, runtime=runtime)
   largest = max([fixed] if fixed else windows)
-  max_window = args.max_window or largest
+  max_window = largest if drafter else args.max_window or largest
+  extra = (args.draft_window + max(largest, drafter.window) if drafter
+           else max(largest, max_window)) - 1   # cache slots past prompt + completion
   warn_untrained_windows(args.model, [max(largest, max_window)])
   policy = fixed or WindowPolicy(
       windows, costs=args.cost_table if args.cost_table and os.path.exists(args.cost_table)
@@ -101,9 +122,10 @@ def build(args):
   context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
   server = Server.from_model(
       model, batch_size=args.batch_size, min_batch_size=args.min_batch_size,
-      max_len=args.max_len or context + max(largest, max_window) - 1, window=policy,
+      max_len=args.max_len or context + extra, window=policy,
       mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
-      round_steps=args.round_steps, max_window=max_window)
+      round_steps=args.round_steps, max_window=max_window, drafter=drafter,
+      draft_window=args.draft_window)
   engine = Engine(server)
   name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
   return engine, create_app(engine, model_name=name, tokenizer=model.tokenizer,

@@ -38,7 +38,7 @@ DISCONNECT_POLL_S = 0.5
 def context_room(engine: Engine) -> int:
   """The most prompt + generated tokens one request may hold."""
   server = engine.server
-  return min(server.max_len - server.max_window + 1, server.config.max_position_embeddings)
+  return min(server.max_len - server.extra_slots, server.config.max_position_embeddings)
 
 
 def encode(tokenizer, spec: Spec) -> list[int]:
@@ -111,6 +111,10 @@ def metrics_text(engine: Engine, model_name: str) -> str:
          [(label, round(m.generated_tokens / max(m.request_forwards, 1), 4))])
   metric("batch_forwards_total", "counter", "Forwards run for the whole batch.",
          [(label, m.steps)])
+  if engine.server.drafter is not None:
+    metric("drafter_forwards_total", "counter",
+           "Drafter forwards the finished requests drafted in (summed over requests).",
+           [(label, m.drafter_forwards)])
   metric("rounds_total", "counter", "Rounds of decoding steps.", [(label, m.rounds)])
   metric("requests_running", "gauge", "Requests decoding now.", [(label, m.running)])
   metric("requests_queued", "gauge", "Requests waiting for a row.", [(label, m.queued)])
@@ -191,9 +195,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, eos_token_ids) -> 
           c = event.completion
           return protocol.completion_response(
               spec, c.text, c.finish_reason,
-              protocol.usage(handle.prompt_len, len(c.tokens), c.forwards))
+              usage(handle.prompt_len, c))
     finally:
       engine.cancel(handle)
+
+  def usage(prompt_len: int, c) -> dict:
+    return protocol.usage(prompt_len, len(c.tokens), c.forwards,
+                          c.drafter_forwards if engine.server.drafter is not None else None)
 
   async def stream(spec: Spec, handle: Handle) -> AsyncIterator[str]:
     text = TextStream(tokenizer, spec.stop, (*eos_token_ids, *spec.stop_token_ids))
@@ -212,8 +220,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, eos_token_ids) -> 
             yield sse(protocol.chunk(spec, rest))
           yield sse(protocol.chunk(spec, None, c.finish_reason))
           if spec.include_usage:
-            yield sse(protocol.chunk(spec, None, use=protocol.usage(
-                handle.prompt_len, len(c.tokens), c.forwards)))
+            yield sse(protocol.chunk(spec, None, use=usage(handle.prompt_len, c)))
         else:
           yield sse(protocol.error_body(event.message, kind="server_error"))
       yield sse("[DONE]")

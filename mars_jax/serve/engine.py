@@ -74,6 +74,7 @@ class Metrics:
   prompt_tokens: int = 0
   generated_tokens: int = 0
   request_forwards: int = 0   # sum over requests of the forwards each took part in
+  drafter_forwards: int = 0   # likewise, the drafter forwards (a server with a drafter)
   steps: int = 0              # forwards run for the batch
   rounds: int = 0
   running: int = 0
@@ -167,11 +168,11 @@ class Engine:
 
   def _round(self) -> None:
     m, server = self.metrics, self.server
-    steps = int(server.state.steps)
+    steps = int(server.decoded.steps)
     begin = time.perf_counter()
     updates = server.step()
     m.rounds += 1
-    m.steps += int(server.state.steps) - steps
+    m.steps += int(server.decoded.steps) - steps
     m.window, m.batch = server.window, len(server.slots)
     for u in updates:
       if u.tokens:
@@ -181,6 +182,7 @@ class Engine:
         m.requests[completion.finish_reason] = m.requests.get(completion.finish_reason, 0) + 1
         m.generated_tokens += len(completion.tokens)
         m.request_forwards += completion.forwards
+        m.drafter_forwards += completion.drafter_forwards
         self._post(u.request_id, Done(completion), last=True)
     m.running, m.queued = server.active, len(server.queue)
     log.debug("round: %d updates, W=%d, %.1f ms", len(updates), server.window,

@@ -234,11 +234,17 @@ def finish_reason(reason: str) -> str:
   return "length" if reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, forwards: int) -> dict:
-  """OpenAI's usage, plus the request's forwards and tokens per forward."""
-  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens, "forwards": forwards,
-          "tokens_per_forward": round(completion_tokens / max(forwards, 1), 4)}
+def usage(prompt_tokens: int, completion_tokens: int, forwards: int,
+          drafter_forwards: int | None = None) -> dict:
+  """OpenAI's usage, plus the request's forwards and tokens per forward (and, from a
+  server with a drafter, its drafter forwards and drafter forwards per token)."""
+  use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens, "forwards": forwards,
+         "tokens_per_forward": round(completion_tokens / max(forwards, 1), 4)}
+  if drafter_forwards is not None:
+    use.update(drafter_forwards=drafter_forwards, drafter_forwards_per_token=round(
+        drafter_forwards / max(completion_tokens, 1), 4))
+  return use
 
 
 def completion_response(spec: Spec, text: str, reason: str, use: dict) -> dict:

@@ -35,6 +35,12 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
 `cancel` drops a queued request, or ends a running one at the start of the next
 step (its row is free for the refill of that step).
 
+With a drafter (`drafter=`, a `speculative.Drafter`) a round is `round_steps` rounds of
+two-model decoding (`mars_jax.decoding.speculative`) at the server's fixed window: every
+request gets the AR tokens (greedy, or sampled with its seed) of the served model, its
+tau and gate deciding how the drafter and the target's MASK slots draft. New prompts
+are prefilled whole by the round's first forward.
+
 On a mesh (`mesh=`, from `sharding.make_mesh`) the weights are placed once with the
 decode shardings and the state lives split over it (`mars_jax.decoding.mesh`); the
 buckets are then multiples of data x fsdp as well.
@@ -59,7 +65,7 @@ from jax.sharding import Mesh
 
 from mars_jax import choices
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding import batching, gates, loop, rounds, stops, timing
+from mars_jax.decoding import batching, gates, loop, rounds, speculative, stops, timing
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
@@ -100,6 +106,7 @@ class Completion:
   forwards: int
   finish_reason: str = "length"
   text: str | None = None
+  drafter_forwards: int = 0  # with a drafter: the drafter forwards it drafted in
 
   @property
   def tokens_per_forward(self) -> float:
@@ -119,7 +126,8 @@ class Server:
   (a fixed window; a policy brings its own); mesh: the mesh to decode on (None: one
   device); tokenizer: decodes the text stop strings are found in (and
   `Completion.text`); max_stop_ids: stop ids a request may give; max_window: the
-  largest window a request may fix (default: the policy's largest).
+  largest window a request may fix (default: the policy's largest); drafter: decode
+  with it (a fixed window, one device), drafting up to draft_window tokens a round.
   """
 
   def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,
@@ -129,7 +137,8 @@ class Server:
                metric: Metric = "probability", prefill_chunk: int = 64,
                round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME,
                mesh: Mesh | None = None, tokenizer=None,
-               max_stop_ids: int = loop.STOP_BUCKET, max_window: int | None = None):
+               max_stop_ids: int = loop.STOP_BUCKET, max_window: int | None = None,
+               drafter: speculative.Drafter | None = None, draft_window: int = 4):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, round_steps=round_steps))
     self.max_window = max_window or max(self.policy.windows)
@@ -141,6 +150,13 @@ class Server:
                          self.max_batch)
     if prefill_chunk < self.max_window:
       raise ValueError(f"prefill_chunk={prefill_chunk} is below the largest window.")
+    self.drafter, self.draft_window = drafter, draft_window
+    if drafter is not None:
+      if not isinstance(self.policy, FixedWindow) or len(self.policy.windows) != 1 or mesh:
+        raise ValueError("a server with a drafter runs one fixed window on one device: "
+                         "pass an int window and no mesh.")
+      speculative.check_args(config, drafter, [[0]], 1, draft_window=draft_window,
+                             window=self.max_window)
     if mesh is not None:
       params = decode_mesh.place_params(config, params, mesh, runtime)
     self.config, self.runtime, self.params, self.mode = config, runtime, params, mode
@@ -151,10 +167,17 @@ class Server:
     self.tokenizer, self.max_stop_ids = tokenizer, max_stop_ids
     self.measure = timing.measure_fn(config, params, mode=mode,
                                      mask_token_id=mask_token_id, runtime=runtime, mesh=mesh)
-    self.state = (loop.new_state(config, self.min_batch, max_len, runtime=runtime,
-                                 stop_ids=max_stop_ids) if mesh is None else
-                  decode_mesh.new_state(config, mesh, self.min_batch, max_len, runtime=runtime,
-                                        stop_ids=max_stop_ids))
+    if drafter is not None:
+      self.models = (speculative.Model(config, runtime),
+                     speculative.Model(drafter.config, drafter.runtime))
+      self.state = speculative.new_state(*self.models, self.min_batch, max_len,
+                                         stop_ids=max_stop_ids)
+    elif mesh is None:
+      self.state = loop.new_state(config, self.min_batch, max_len, runtime=runtime,
+                                  stop_ids=max_stop_ids)
+    else:
+      self.state = decode_mesh.new_state(config, mesh, self.min_batch, max_len,
+                                         runtime=runtime, stop_ids=max_stop_ids)
     self.slots: list[int | None] = [None] * self.min_batch
     self.scan = stops.StopScan(tokenizer, [()] * self.min_batch)
     self._requests: dict[int, Request] = {}
@@ -171,6 +194,19 @@ class Server:
     return cls(model.config, model.params, mask_token_id=model.mask_token_id,
                eos_token_ids=model.eos_token_ids, runtime=model.runtime,
                **{"mesh": model.mesh, "tokenizer": model.tokenizer, **kwargs})
+
+  @property
+  def decoded(self) -> loop.DecodeState:
+    """The state of the served model's rows (its tokens, cursors and forwards)."""
+    return self.state if self.drafter is None else self.state.target
+
+  @property
+  def extra_slots(self) -> int:
+    """Cache slots a request takes past its prompt and completion: W - 1, or with a
+    drafter K + max(W, the drafter's window) - 1."""
+    if self.drafter is None:
+      return self.max_window - 1
+    return self.draft_window + max(self.max_window, self.drafter.window) - 1
 
   @property
   def active(self) -> int:
@@ -192,10 +228,18 @@ class Server:
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
     batching.check_prompt_ids(self.config, [prompt])
-    need = len(prompt) + max_new_tokens + self.max_window - 1
+    if self.drafter is not None:
+      if mode == "gated" or window not in ("auto", self.max_window):
+        raise ValueError("this server decodes with a drafter: every request gets the "
+                         "model's AR tokens (mode 'lossless') at the server's window "
+                         f"({self.max_window}); leave mode and window unset.")
+      batching.check_prompt_ids(self.drafter.config, [prompt])
+    extra = self.extra_slots
+    need = len(prompt) + max_new_tokens + extra
     if need > self.max_len:
-      raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + W - 1 "
-                       f"= {need} exceeds the server's max_len={self.max_len}.")
+      raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + "
+                       f"{extra} (the window's or drafts' slots) = {need} exceeds the "
+                       f"server's max_len={self.max_len}.")
     if window != "auto" and not (isinstance(window, (int, np.integer))
                                  and 1 <= window <= self.max_window):
       raise ValueError(f"window={window!r}; expected 'auto' or an int in [1, "
@@ -243,7 +287,7 @@ class Server:
     self._cancelled.clear()
     if not rows.any():
       return
-    self.state = loop.stop(self.state, rows, np.zeros(rows.shape, np.int32), mesh=self.mesh)
+    self._stop(rows, np.zeros(rows.shape, np.int32))
     for row in np.flatnonzero(rows):
       self._forget(self.slots[row])
       self.slots[row] = None
@@ -257,7 +301,8 @@ class Server:
     keep = [i for i, r in enumerate(self.slots) if r is not None]
     rows = np.full((want,), len(self.slots), np.int32)
     rows[:len(keep)] = keep
-    self.state = loop.regroup(self.state, rows, mesh=self.mesh)
+    self.state = (speculative.regroup(self.state, rows) if self.drafter is not None
+                  else loop.regroup(self.state, rows, mesh=self.mesh))
     self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
     scan = stops.StopScan(self.tokenizer, [()] * want)
     for new, old in enumerate(keep):
@@ -281,6 +326,10 @@ class Server:
     for row, r in zip(free, started):
       self.slots[row] = r.request_id
       self.scan.reset(row, r.stop)
+    if self.drafter is not None:
+      self.state = speculative.insert(self.state, rows, new.prompt, new.prompt_len,
+                                      new.max_new_tokens, new.controls)
+      return new.prompt.shape[1], 1
     self.state = loop.insert(self.state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
                              new.controls, mesh=self.mesh)
     width = min(new.prompt.shape[1], self.prefill_chunk)
@@ -293,6 +342,8 @@ class Server:
     width, prefill_steps = self._refill()
     if not self.active:
       return []
+    if self.drafter is not None:
+      return self._spec_step(width)
     live = [self._requests[r].controls for r in self.slots if r is not None]
     mode = "lossless" if any(c["lossless"] for c in live) else "gated"
     fixed = max(c["window"] for c in live)  # the largest window a live request fixed
@@ -305,10 +356,33 @@ class Server:
         mesh=self.mesh)
     return self._harvest()
 
+  def _stop(self, rows: np.ndarray, keep: np.ndarray) -> None:
+    self.state = (speculative.stop(self.state, rows, keep) if self.drafter is not None
+                  else loop.stop(self.state, rows, keep, mesh=self.mesh))
+
+  def _spec_step(self, wide: int) -> list[Update]:
+    """A round of two-model decoding: `round_steps` rounds (the first one `wide` when new
+    prompts wait for their prefill), then the stop strings looked for."""
+    live = ~np.asarray(jax.device_get(self.state.target.done))
+    self.state = speculative.run_rounds(
+        *self.models, self.params, self.drafter.params, self.state, self.eos_ids,
+        np.int32(self.mask_token_id), np.int32(self.drafter.mask_token_id),
+        np.int32(self.policy.round_steps), np.bool_(bool(self.queue)),
+        shape=speculative.Shape(self.draft_window, self.max_window, self.drafter.window),
+        wide=wide)
+    self.window = self.max_window
+    found = self.scan.scan(self.state.target, live)
+    if found is not None:
+      self._stop(*found)
+    return self._harvest()
+
   def _harvest(self) -> list[Update]:
+    state = self.decoded
     seq, start, length, forwards, done, stop_ids = jax.device_get(
-        (self.state.seq, self.state.prompt_len, self.state.length, self.state.forwards,
-         self.state.done, self.state.controls.stop_ids))
+        (state.seq, state.prompt_len, state.length, state.forwards,
+         state.done, state.controls.stop_ids))
+    drafted = (jax.device_get(self.state.drafter.forwards) if self.drafter is not None
+               else np.zeros_like(forwards))
     updates = []
     for row, rid in enumerate(self.slots):
       if rid is None:
@@ -325,7 +399,8 @@ class Server:
         text = None if self.tokenizer is None else stops.text(
             self.tokenizer, tokens, request.stop, reason=reason,
             stopped=self.scan.stopped[row])
-        self.completed[rid] = Completion(rid, tokens, int(forwards[row]), reason, text)
+        self.completed[rid] = Completion(rid, tokens, int(forwards[row]), reason, text,
+                                         int(drafted[row]))
         del self._streamed[rid]
         self._cancelled.discard(rid)
         self.slots[row] = None

@@ -305,10 +305,12 @@ class MarsJaxLM(TemplateLM):
                                             drafted):
           out[i] = text
           s = self.stats.setdefault(requests[i].task_name or "", {
-              "generated_tokens": 0, "forwards": 0, "drafter_forwards": 0, "requests": 0})
+              "generated_tokens": 0, "forwards": 0, "requests": 0,
+              **({"drafter_forwards": 0} if self.drafter else {})})
           s["generated_tokens"] += len(toks)
           s["forwards"] += int(fwd)
-          s["drafter_forwards"] += int(dfwd)
+          if self.drafter:
+            s["drafter_forwards"] += int(dfwd)
           s["requests"] += 1
           self.cache_hook.add_partial("generate_until", requests[i].args, text)
         bar.update(len(batch))

@@ -36,7 +36,7 @@ PROMPTS = ["Tell me a story.", "What is 2+3?", "List three colours:", "Bonjour, 
 
 
 class Live:
-  def __init__(self, path, tmp):
+  def __init__(self, path, tmp, *extra_args):
     self.path, self.port = path, free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log = open(tmp / "server.log", "w+")
@@ -44,7 +44,8 @@ class Live:
         [sys.executable, "-m", "mars_jax.serve", "--model", path, "--port", str(self.port),
          "--served-model-name", NAME, "--batch-size", "8", "--min-batch-size", "8",
          "--windows", "1,3", "--max-window", "3", "--max-len", "160",
-         "--shutdown-timeout", "60", "--log-level", os.environ.get("MARS_SERVE_LOG", "warning")],
+         "--shutdown-timeout", "60", "--log-level", os.environ.get("MARS_SERVE_LOG", "warning"),
+         *extra_args],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}, cwd=ROOT,
         stdout=self.log, stderr=subprocess.STDOUT)
     deadline = time.time() + 180

@@ -115,6 +115,20 @@ def _before(tokens, ids):
   return next((tokens[:k] for k, t in enumerate(tokens) if t in ids), tokens)
 
 
+def test_a_drafter_gives_the_targets_responses_through_the_harness(env):
+  """model_args drafter= (another random model over the same tokenizer) and
+  draft_window=3: the AR responses, with the drafter's forwards counted."""
+  drafter = fx.make_qwen2_checkpoint(env["tmp"] / "drafter", hidden=16, layers=1, seed=1,
+                                     spare_rows=12,  # other embedding rows, same tokenizer
+                                     texts=fx.task_texts(fx.task_records(120, seed=0)))
+  ar = _evaluate(env, [GEN], window=1)
+  two = _evaluate(env, [GEN], window=1, drafter=drafter, draft_window=3)
+  assert _responses(two, GEN) == _responses(ar, GEN)
+  stats = two["config"]["mars_jax"]["tasks"][GEN]
+  assert stats["drafter_forwards"] > 0 and stats["requests"] == 5
+  assert two["config"]["mars_jax"]["drafter"] == drafter
+
+
 def test_until_eos_and_max_gen_toks(env, lm):
   """The task's prompts, so the sampler runs at the AR harness run's shapes (compiled)."""
   ctxs = _contexts(lm, env)

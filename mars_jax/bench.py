@@ -1,4 +1,4 @@
-"""`python -m mars_jax.bench {step,sample,decode,device,serve} ...`: benchmarks vs a peer.
+"""`python -m mars_jax.bench {step,sample,decode,device,serve,speculative} ...`: benchmarks vs a peer.
 
   step    MARS train step vs AR-SFT step at equal (b, L); chunked vs naive loss memory
   sample  MARS decoding vs our jitted AR loop vs transformers' generate
@@ -6,6 +6,8 @@
           XLA's cost analysis and the layout copies left in the compiled step
   device  the accelerator check's figures (launch/device_check.sh): bf16 step times and
           MFU, decoding vs AR and vs the HBM roofline; --smoke for tiny shapes on CPU
+  speculative  two-model decoding (AR or MARS drafter x AR or MARS target) vs the target
+          alone, both trained on the embedded task
   serve   the HTTP server (python -m mars_jax.serve) under N concurrent streaming
           clients: window auto vs W=1 vs transformers' generate at batch N; TTFT, ITL
 """
@@ -15,7 +17,8 @@ import sys
 
 _COMMANDS = {"step": "mars_jax.benchmarks.step", "sample": "mars_jax.benchmarks.sample",
              "device": "mars_jax.benchmarks.device", "decode": "mars_jax.benchmarks.decode_cost",
-             "serve": "mars_jax.benchmarks.serve_load"}
+             "serve": "mars_jax.benchmarks.serve_load",
+             "speculative": "mars_jax.benchmarks.speculative"}
 
 
 def main(argv=None) -> None:

@@ -250,9 +250,12 @@ def spec_round(target: Model, drafter: Model, target_params, drafter_params,
 
 def round_slots(shape: Shape) -> tuple[int, int]:
   """The widths of a steady round's forwards, (target, drafter's first step): the target
-  feeds its pending token and K drafts; the drafter what it has not seen, at most the
-  last round's K + 1 committed tokens and the target's W_t - 1 drafts."""
-  return shape.draft + 1, shape.draft + shape.target_window
+  feeds its pending token and K drafts; the drafter what it has not seen: the tokens its
+  last step accepted (at most min(W_d, K)), the target's correction or bonus token, and
+  the target's W_t - 1 drafts. (A row with more, one the drafter skipped, takes partial
+  steps: `loop.advance`.)"""
+  return (shape.draft + 1,
+          min(shape.drafter_window, shape.draft) + shape.target_window)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "shape", "wide"),

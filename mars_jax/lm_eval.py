@@ -257,7 +257,9 @@ class MarsJaxLM(TemplateLM):
         "drafter_window": self.drafter and self.drafter.window,
         "runtime": self.model.runtime.to_dict(),
         "max_length": self.max_length,
-        "tasks": {task: {**s, METRIC: s["generated_tokens"] / max(s["forwards"], 1)}
+        "tasks": {task: {**s, METRIC: s["generated_tokens"] / max(s["forwards"], 1),
+                         **({"drafter_forwards_per_token": s["drafter_forwards"]
+                             / max(s["generated_tokens"], 1)} if self.drafter else {})}
                   for task, s in self.stats.items()}}}
 
   # -- generate_until -------------------------------------------------------------------

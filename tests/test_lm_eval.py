@@ -126,6 +126,8 @@ def test_a_drafter_gives_the_targets_responses_through_the_harness(env):
   assert _responses(two, GEN) == _responses(ar, GEN)
   stats = two["config"]["mars_jax"]["tasks"][GEN]
   assert stats["drafter_forwards"] > 0 and stats["requests"] == 5
+  assert stats["drafter_forwards_per_token"] == stats["drafter_forwards"] / stats[
+      "generated_tokens"]
   assert two["config"]["mars_jax"]["drafter"] == drafter
 
 

@@ -12,7 +12,7 @@ Rows, for each batch size, on the same held-out questions of the task (chat-form
                     target at W = 1 and lossless at W = B + 1 (its own drafts);
   drafter + target  AR or MARS drafter x AR or MARS target, K = --draft-window drafts a
                     round; a MARS drafter drafts min(B + 1, K) a forward while --tau
-                    holds, a MARS target adds min(B + 1, K) - 1 MASK slots to its forward.
+                    holds, a MARS target adds min(B, K) MASK slots to its forward.
 
 Every row is exact: its tokens equal its target's greedy AR tokens (checked: "=AR").
 tokens/s counts generated tokens (up to EOS) per second; the calls are timed round-robin,
@@ -55,8 +55,8 @@ def parse(argv):
 
 def rows_of(models: dict, paths: dict, k: int) -> dict[str, dict]:
   """name -> generate kwargs of each row (its target's model included)."""
-  def window(role):
-    return loading.trained_window(paths[role], k)
+  def window(role):  # a drafter's tokens per forward; a target's W (K drafts at most)
+    return loading.trained_window(paths[role], k if role.endswith("drafter") else k + 1)
 
   def drafter(role):
     m = models[role]

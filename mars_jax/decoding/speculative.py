@@ -25,7 +25,7 @@ drafts from the last round t7, and the drafter's d8, d9:
 
 t7 == g7, d8 == g8, d9 != g9: commit g7, g8 and the correction g9 (n = 10), target cursor
 9, drop m11, m12. All three matching: commit g7..g10 (n = 11) and keep m11, m12 while they
-pass the gate (at most K - 1, so the drafter drafts at least one).
+pass the gate (at most K: when they fill K, the drafter skips the round).
 
 The drafter's cache follows the committed tokens by the same deferred commitment as the
 loop's: each round it is handed the target's sequence, and its cursor is cut back to the
@@ -145,15 +145,17 @@ def _sync(t: DecodeState, d: DecodeState, k: int) -> DecodeState:
 
 def draft(drafter: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array,
           mask_token_id: Array, *, k: int, window: int, real_slots: int) -> DecodeState:
-  """The drafter's round: synced to the target, then gated decoding steps (the first one
-  `real_slots` wide, for the tokens it has not seen) until every row holds its drafts.
-  -> the drafter state; its seq[t.length:length] are the round's drafts."""
+  """The drafter's round: synced to the target, then gated decoding steps until every row
+  holds its drafts: `real_slots` wide while some drafting row has more unseen tokens than
+  `window` (the tokens since its last round; more after rounds it skipped because the
+  target's own drafts filled K, which it then takes in several wide steps), `window`
+  wide after. -> the drafter state; its seq[t.length:length] are the round's drafts."""
   step = functools.partial(loop.advance, drafter.config, drafter.runtime, params,
                            eos_ids=eos_ids, mask_token_id=mask_token_id, window=window,
                            mode="gated")
   d = _sync(t, d, k)
-  d = jax.lax.cond(jnp.any(~d.done), functools.partial(step, real_slots=real_slots),
-                   lambda s: s, d)
+  d = jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.length - s.cursor > window)),
+                         functools.partial(step, real_slots=real_slots), d)
   return jax.lax.while_loop(lambda s: jnp.any(~s.done),
                             functools.partial(step, real_slots=window), d)
 
@@ -218,7 +220,7 @@ def verify(target: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array
     leading = jnp.min(jnp.where(passes, window - 1, j), axis=1)
     full = proposing & (accepted == fed + 1) & ~hit_end
     next_drafts = jnp.where(full, jnp.minimum(
-        jnp.minimum(leading, k - 1), jnp.maximum(t.limit - new_length - 1, 0)), 0)
+        jnp.minimum(leading, k), jnp.maximum(t.limit - new_length - 1, 0)), 0)
   committed = jnp.where(i < accepted[:, None], length[:, None] + i, slots)
   dest = jnp.concatenate(
       [committed, jnp.where(j < next_drafts[:, None], new_length[:, None] + j, slots)],
@@ -249,13 +251,13 @@ def spec_round(target: Model, drafter: Model, target_params, drafter_params,
 
 
 def round_slots(shape: Shape) -> tuple[int, int]:
-  """The widths of a steady round's forwards, (target, drafter's first step): the target
+  """The widths of a steady round's forwards, (target, drafter's wide steps): the target
   feeds its pending token and K drafts; the drafter what it has not seen: the tokens its
-  last step accepted (at most min(W_d, K)), the target's correction or bonus token, and
-  the target's W_t - 1 drafts. (A row with more, one the drafter skipped, takes partial
-  steps: `loop.advance`.)"""
+  last step accepted (at most min(W_d, K)), the target's correction or bonus token and
+  its drafts (at most K), and one round it skipped (K + 1 tokens). A row with more takes
+  another wide step (`loop.advance`'s partial step)."""
   return (shape.draft + 1,
-          min(shape.drafter_window, shape.draft) + shape.target_window)
+          min(shape.drafter_window, shape.draft) + 2 * shape.draft + 2)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "shape", "wide"),

@@ -16,7 +16,7 @@ and exits.
 (mars_jax.decoding.speculative): up to --draft-window K tokens a round, verified in one
 forward. Every request is then lossless; its tau and gate decide how the drafter (a MARS
 run drafts several tokens a forward) and the model's own MASK slots draft. --window
-auto means the model's trained B + 1 (at most K) for a MARS run, 1 otherwise.
+auto means the model's trained B + 1 (at most K + 1) for a MARS run, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def build(args):
   model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
   drafter = None
   if args.drafter is not None:
-    fixed = fixed or trained_window(args.model, args.draft_window)
+    fixed = fixed or trained_window(args.model, args.draft_window + 1)
     drafter = load_drafter(args.drafter, model, args.model, draft_window=args.draft_window,
                            window=args.drafter_window, runtime=runtime)
   largest = max([fixed] if fixed else windows)

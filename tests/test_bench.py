@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mars_jax.benchmarks import decode_cost, sample, serve_load, step
+from mars_jax.benchmarks import decode_cost, sample, serve_load, speculative, step
 
 
 @pytest.mark.slow  # ~40 s; the closing notes run the README's bench commands as written
@@ -60,3 +60,21 @@ def test_bench_serve_on_the_toy(tmp_path):
     assert all(r[kind]["tokens_per_s"] > 0 for kind in ("auto", "w1", "transformers"))
     assert r["same_text_as_w1"] and r["compared"] == r["clients"]  # lossless: exact AR
     assert r["auto"]["tokens_per_forward"] >= 1 and r["w1"]["tokens_per_forward"] == 1
+
+
+def test_bench_speculative_on_two_checkpoints(tmp_path, capsys):
+  """Every row of `bench speculative` (here AR models in all four roles: two random
+  checkpoints over one BPE tokenizer) decodes its target's greedy AR tokens."""
+  import user_path_fixtures as fx  # pylint: disable=import-outside-toplevel
+  texts = fx.task_texts(fx.task_records(60, seed=0))
+  target = fx.make_qwen2_checkpoint(tmp_path / "target", texts=texts, seed=0)
+  drafter = fx.make_qwen2_checkpoint(tmp_path / "drafter", texts=texts, hidden=16, layers=1,
+                                     seed=1)
+  out = tmp_path / "bench.json"
+  speculative.main(["--ar-drafter", drafter, "--mars-drafter", drafter, "--ar-target", target,
+                    "--mars-target", target, "--batch-sizes", "2", "--prompts", "2",
+                    "--repeats", "1", "--max-new-tokens", "6", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert len(rows) == 7 and all(r["equal_to_ar"] and r["tokens_per_s"] > 0 for r in rows)
+  assert [r["drafter_forwards_per_token"] > 0 for r in rows] == [False] * 3 + [True] * 4
+  assert "| AR drafter + MARS target |" in capsys.readouterr().out

@@ -6,7 +6,8 @@ as an AR-SFT parent (stage 1) and its MARS child (stage 2):
   python -m mars_jax.train --config configs/tiny.py --workdir runs/tiny                # drafters
   python -m mars_jax.train --config configs/tiny_target.py --workdir runs/tiny_target  # targets
 
-Rows, for each batch size, on the same held-out questions of the task (chat-formatted):
+Rows, for each batch size b, on the same --prompts held-out questions of the task
+(chat-formatted), decoded b at a time:
 
   target alone      the AR target at W = 1 (the peer: our jitted AR loop), the MARS
                     target at W = 1 and lossless at W = B + 1 (its own drafts);
@@ -32,6 +33,7 @@ import numpy as np
 from mars_jax import evaluate, loading, sampling
 from mars_jax.benchmarks.sample import best_times
 from mars_jax.decoding import speculative
+from mars_jax.decoding.batching import GenerateResult
 
 ROLES = {"ar_drafter": "runs/tiny/stage1", "mars_drafter": "runs/tiny/hf",
          "ar_target": "runs/tiny_target/stage1", "mars_target": "runs/tiny_target/hf"}
@@ -44,6 +46,7 @@ def parse(argv):
     p.add_argument(f"--{role.replace('_', '-')}", default=default,
                    help=f"HF directory or run (default {default})")
   p.add_argument("--batch-sizes", default="1,4,16")
+  p.add_argument("--prompts", type=int, default=16, help="questions per batch size")
   p.add_argument("--draft-window", type=int, default=4, help="drafts per round, K")
   p.add_argument("--tau", type=float, default=0.9,
                  help="the gate of MARS drafting (drafter and target MASK slots)")
@@ -51,6 +54,15 @@ def parse(argv):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--out", default=None, help="write the rows as JSON here")
   return p.parse_args(argv)
+
+
+def merged(results: list) -> GenerateResult:
+  """The results of consecutive batches as one (forwards summed)."""
+  return GenerateResult(
+      tokens=[t for r in results for t in r.tokens],
+      num_forwards=[f for r in results for f in r.num_forwards],
+      forwards=sum(r.forwards for r in results),
+      drafter_forwards=[f for r in results for f in r.drafter_forwards])
 
 
 def rows_of(models: dict, paths: dict, k: int) -> dict[str, dict]:
@@ -94,23 +106,24 @@ def main(argv=None) -> None:
   params = {role: sum(x.size for x in jax.tree.leaves(m.params)) for role, m in models.items()}
   print("params: " + ", ".join(f"{role} {n:,}" for role, n in params.items()))
   results = []
+  prompts = [loading.chat_prompt_ids(tokenizer, [{"role": "user", "content": p["question"]}])
+             for p in problems[:args.prompts]]
   for batch in [int(b) for b in args.batch_sizes.split(",")]:
-    prompts = [loading.chat_prompt_ids(tokenizer, [{"role": "user", "content": p["question"]}])
-               for p in problems[:batch]]
     calls = {}
     for name, row in rows.items():
       target = models[row["target"]]
       kw = {key: value for key, value in row.items() if key != "target"}
 
-      def call(target=target, kw=kw):
-        return sampling.generate(target.config, target.params, prompts,
-                                 max_new_tokens=args.max_new_tokens,
-                                 mask_token_id=target.mask_token_id,
-                                 eos_token_ids=target.eos_token_ids, tau=args.tau, **kw)
+      def call(target=target, kw=kw, batch=batch):
+        return merged([sampling.generate(target.config, target.params, prompts[i:i + batch],
+                                         max_new_tokens=args.max_new_tokens,
+                                         mask_token_id=target.mask_token_id,
+                                         eos_token_ids=target.eos_token_ids, tau=args.tau, **kw)
+                       for i in range(0, len(prompts), batch)])
       calls[name] = call
     seconds, outputs = best_times(calls, args.repeats)
     base = seconds["AR target alone"]
-    print(f"\nbatch {batch}\n| row | tokens/s | vs AR target | tok/fwd | dft/tok | target "
+    print(f"\nbatch {batch} ({len(prompts)} questions)\n| row | tokens/s | vs AR target | tok/fwd | dft/tok | target "
           "fwd | =AR |\n|---|---|---|---|---|---|---|")
     for name, row in rows.items():
       out = outputs[name]

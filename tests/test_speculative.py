@@ -103,14 +103,15 @@ def test_two_model_sampling_keeps_the_ar_distribution(model, drafters):
 
 
 def test_server_with_a_drafter_equals_generate(model, drafters):
-  """Continuous batching with a drafter (2 rows, 4 requests, 3 rounds a step): each
-  request's tokens are the target's AR tokens, greedy and sampled, with a stop id; a gated
-  request or another window is refused."""
+  """Continuous batching with a drafter (1 to 2 rows, 8 requests, 3 rounds a step, so rows
+  are refilled and regrouped): each request's tokens are the target's AR tokens, greedy
+  and sampled, with a stop id; a gated request or another window is refused."""
   config, params = model
   d_config, d_params = drafters["noisy"]
   drafter = speculative.Drafter(d_config, d_params, MASK_ID, window=3)
   server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=EOS,
-                        batch_size=2, max_len=64, window=3, round_steps=3, tau=0.3,
+                        batch_size=2, min_batch_size=1, max_len=64, window=3,
+                        round_steps=3, tau=0.3,
                         drafter=drafter, draft_window=3)
   sampled = dict(temperature=0.8, top_p=0.9)
   greedy = reference(model)

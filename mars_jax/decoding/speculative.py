@@ -99,9 +99,9 @@ class SpecState:
 
 
 def drafter_controls(controls: Controls) -> Controls:
-  """The drafter's controls: the target's (gate, sampling, seed, stop ids), uncapped."""
-  return controls.replace(window=jnp.zeros_like(controls.window),
-                          lossless=jnp.zeros_like(controls.lossless))
+  """The drafter's controls: the target's (gate, sampling, seed, stop ids), uncapped (its
+  gated kernel reads no `lossless`)."""
+  return controls.replace(window=jnp.zeros_like(controls.window))
 
 
 def new_state(target: Model, drafter: Model, batch: int, cache_len: int, *,

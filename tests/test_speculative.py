@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_sampled_decoding import SAMPLES, first_tokens, two_sample_chi2
 from test_sampling import MASK_ID, PROMPTS, model  # noqa: F401  (the fixture)
+from test_sampling_ext import toy_prompts, trained  # noqa: F401  (the fixture)
 
 from mars_jax import hf, sampling, serve
 from mars_jax.decoding import speculative
@@ -130,3 +131,20 @@ def test_server_with_a_drafter_equals_generate(model, drafters):
   for bad in (dict(mode="gated"), dict(window=2)):
     with pytest.raises(ValueError, match="drafter"):
       server.submit(PROMPTS[0], max_new_tokens=4, **bad)
+
+
+def test_a_target_whose_drafts_fill_k_skips_the_drafter(trained):
+  """The trained toy (its MASK proposals are right) as the target at W_t = 4, K = 3: its
+  own drafts fill K in most rounds, so the drafter (the toy, AR) skips them and catches
+  up later in wide steps; the output is still the toy's AR output, with fewer drafter
+  forwards than at W_t = 1."""
+  m = trained
+  prompts = toy_prompts(m)
+  kw = dict(max_new_tokens=21, mask_token_id=m.mask_token_id, eos_token_ids=(),
+            draft_window=3, drafter=speculative.Drafter(m.config, m.params, m.mask_token_id))
+  ar = sampling.generate(m.config, m.params, prompts, window=1, max_new_tokens=21,
+                         mask_token_id=m.mask_token_id, eos_token_ids=())
+  alone = sampling.generate(m.config, m.params, prompts, window=1, **kw)
+  both = sampling.generate(m.config, m.params, prompts, window=4, tau=0.5, **kw)
+  assert alone.tokens == both.tokens == ar.tokens
+  assert sum(both.drafter_forwards) < sum(alone.drafter_forwards) / 2

@@ -123,9 +123,8 @@ def generate(config: Qwen2Config, params: Any, prompts: Sequence[Sequence[int]],
       raise ValueError("decoding with a drafter runs on one device at a fixed window: "
                        "pass neither policy= nor mesh=.")
     speculative.check_args(config, drafter, prompts, max_new_tokens,
-                           draft_window=draft_window, window=window)
-    batching.check_prompts(config, prompts, max_new_tokens)
-    batching.check_args(config, window=window, mode="lossless", mask_token_id=mask_token_id)
+                           draft_window=draft_window, window=window,
+                           mask_token_id=mask_token_id)
     bucket = batching.bucket(prompts, batching.pow2(len(prompts)),
                              max_new_tokens=max_new_tokens, **controls)
     scan = stops.StopScan(tokenizer, stop_rows + [()] * (len(bucket.prompt_len) - len(prompts)))

@@ -148,3 +148,18 @@ def test_a_target_whose_drafts_fill_k_skips_the_drafter(trained):
   both = sampling.generate(m.config, m.params, prompts, window=4, tau=0.5, **kw)
   assert alone.tokens == both.tokens == ar.tokens
   assert sum(both.drafter_forwards) < sum(alone.drafter_forwards) / 2
+
+
+def test_bad_two_model_arguments_are_refused(model, drafters):
+  config, params = model
+  d_config, d_params = drafters["other"]
+  kw = dict(max_new_tokens=4, mask_token_id=MASK_ID, eos_token_ids=EOS)
+  for bad, match in ((dict(draft_window=0), "draft_window=0"),
+                     (dict(window="auto"), "target's window must be an int"),
+                     (dict(drafter_window=0), "drafter window=0"),
+                     (dict(mesh=object()), "one device"),
+                     (dict(prompts=[[130]]), "outside the vocabulary")):
+    args = {"prompts": PROMPTS, "drafter_window": 1, **bad}
+    drafter = speculative.Drafter(d_config, d_params, MASK_ID, window=args.pop("drafter_window"))
+    with pytest.raises(ValueError, match=match):
+      sampling.generate(config, params, args.pop("prompts"), drafter=drafter, **kw, **args)

@@ -293,8 +293,9 @@ ROUNDS_PER_SCAN = 16  # rounds between two looks for stop strings
 
 
 def check_args(config: Qwen2Config, drafter: Drafter, prompts, max_new_tokens, *,
-               draft_window: int, window: int) -> None:
-  """Raises ValueError on a drafter, K or window two-model decoding cannot run with."""
+               draft_window: int, window: int, mask_token_id: int) -> None:
+  """Raises ValueError on prompts, a drafter, K, window or mask id (the target's) that
+  two-model decoding cannot run with."""
   if not isinstance(draft_window, (int, np.integer)) or draft_window < 1:
     raise ValueError(f"draft_window={draft_window!r}; the drafts per round K must be an int "
                      ">= 1.")
@@ -303,7 +304,9 @@ def check_args(config: Qwen2Config, drafter: Drafter, prompts, max_new_tokens, *
                      ">= 1 (1: an AR target; W: W - 1 MASK slots in the verifying forward).")
   if drafter.window < 1:
     raise ValueError(f"drafter window={drafter.window}; it must be >= 1 (1: AR drafting).")
-  batching.check_prompts(drafter.config, prompts, max_new_tokens)
+  for c in (config, drafter.config):
+    batching.check_prompts(c, prompts, max_new_tokens)
+  batching.check_args(config, window=window, mode="lossless", mask_token_id=mask_token_id)
   if drafter.window > 1:
     batching.check_args(drafter.config, window=drafter.window, mode="gated",
                         mask_token_id=drafter.mask_token_id)

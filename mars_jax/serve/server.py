@@ -156,7 +156,7 @@ class Server:
         raise ValueError("a server with a drafter runs one fixed window on one device: "
                          "pass an int window and no mesh.")
       speculative.check_args(config, drafter, [[0]], 1, draft_window=draft_window,
-                             window=self.max_window)
+                             window=self.max_window, mask_token_id=mask_token_id)
     if mesh is not None:
       params = decode_mesh.place_params(config, params, mesh, runtime)
     self.config, self.runtime, self.params, self.mode = config, runtime, params, mode

@@ -144,18 +144,25 @@ def _sync(t: DecodeState, d: DecodeState, k: int) -> DecodeState:
 
 
 def draft(drafter: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array,
-          mask_token_id: Array, *, k: int, window: int, real_slots: int) -> DecodeState:
+          mask_token_id: Array, *, k: int, window: int, real_slots: tuple[int, int]
+          ) -> DecodeState:
   """The drafter's round: synced to the target, then gated decoding steps until every row
-  holds its drafts: `real_slots` wide while some drafting row has more unseen tokens than
-  `window` (the tokens since its last round; more after rounds it skipped because the
-  target's own drafts filled K, which it then takes in several wide steps), `window`
-  wide after. -> the drafter state; its seq[t.length:length] are the round's drafts."""
+  holds its drafts. real_slots = (steady, catch-up): a first step `steady` wide feeds what
+  a drafting row has not seen since its last round; after rounds it skipped (the
+  target's own drafts filled K) a row has more, and `catch-up` wide steps feed that
+  first; the later steps are `window` wide. -> the drafter state; its
+  seq[t.length:length] are the round's drafts."""
   step = functools.partial(loop.advance, drafter.config, drafter.runtime, params,
                            eos_ids=eos_ids, mask_token_id=mask_token_id, window=window,
                            mode="gated")
+
+  def unseen_above(width):
+    return lambda s: jnp.any(~s.done & (s.length - s.cursor > width))
+  steady, catch_up = real_slots
   d = _sync(t, d, k)
-  d = jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.length - s.cursor > window)),
-                         functools.partial(step, real_slots=real_slots), d)
+  d = jax.lax.while_loop(unseen_above(steady), functools.partial(step, real_slots=catch_up),
+                         d)
+  d = jax.lax.while_loop(unseen_above(window), functools.partial(step, real_slots=steady), d)
   return jax.lax.while_loop(lambda s: jnp.any(~s.done),
                             functools.partial(step, real_slots=window), d)
 
@@ -239,7 +246,8 @@ def verify(target: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array
 
 def spec_round(target: Model, drafter: Model, target_params, drafter_params,
                state: SpecState, eos_ids: Array, target_mask: Array, drafter_mask: Array,
-               *, shape: Shape, target_slots: int, drafter_slots: int) -> SpecState:
+               *, shape: Shape, target_slots: int, drafter_slots: tuple[int, int]
+               ) -> SpecState:
   """One round: draft, verify, and the drafter's cursor cut back to the target's (its
   K/V past it may hold refused drafts)."""
   k = shape.draft
@@ -250,14 +258,14 @@ def spec_round(target: Model, drafter: Model, target_params, drafter_params,
   return SpecState(t, d.replace(cursor=jnp.minimum(d.cursor, t.cursor)))
 
 
-def round_slots(shape: Shape) -> tuple[int, int]:
-  """The widths of a steady round's forwards, (target, drafter's wide steps): the target
-  feeds its pending token and K drafts; the drafter what it has not seen: the tokens its
-  last step accepted (at most min(W_d, K)), the target's correction or bonus token and
-  its drafts (at most K), and one round it skipped (K + 1 tokens). A row with more takes
-  another wide step (`loop.advance`'s partial step)."""
-  return (shape.draft + 1,
-          min(shape.drafter_window, shape.draft) + 2 * shape.draft + 2)
+def round_slots(shape: Shape) -> tuple[int, tuple[int, int]]:
+  """The widths of a steady round's forwards: the target's (its pending token and K
+  drafts), and the drafter's first steps (`draft`): steady, what it has not seen after a
+  round it drafted in (the tokens its last step accepted, at most min(W_d, K), the
+  target's correction or bonus token and its W_t - 1 drafts); catch-up, that plus one
+  round it skipped (K + 1 tokens). A row with more takes another catch-up step."""
+  steady = min(shape.drafter_window, shape.draft) + shape.target_window
+  return shape.draft + 1, (steady, steady + shape.draft + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "shape", "wide"),
@@ -277,7 +285,7 @@ def run_rounds(target: Model, drafter: Model, target_params, drafter_params,
                           drafter_mask=drafter_mask, shape=shape)
   if wide:
     state = one(state=state, target_slots=max(wide + shape.draft, target_slots),
-                drafter_slots=max(wide, drafter_slots))
+                drafter_slots=tuple(max(wide, n) for n in drafter_slots))
 
   def cond(s):
     finished = jnp.any(s.target.done & ~done0)

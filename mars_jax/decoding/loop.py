@@ -190,11 +190,31 @@ def on_mesh(mesh: Mesh | None):
           else sharding.activation_sharding(mesh, sharding.DECODE_RULES))
 
 
-def _hidden(config: Qwen2Config, runtime: Runtime, params, tokens, positions, cache,
-            write_index, attn_mask):
-  """Cached forward up to the final norm: -> (hidden [b, t, embed], updated cache)."""
+def feed(config: Qwen2Config, runtime: Runtime, params, seq: Array, cache, cursor: Array,
+         real_count: Array, mask_start: Array, active: Array, proposing: Array,
+         mask_token_id: Array, *, real_slots: int, window: int) -> tuple[Array, dict]:
+  """The cached forward of a step: per row, `real_slots` slots of seq[cursor:] (the first
+  `real_count` real: their K/V written at their positions), then window - 1 MASK slots at
+  positions mask_start, mask_start + 1, ... (written where `proposing`); a slot attends
+  the cache slots at or before its position.
+
+  seq: int32[b, S]; cursor, real_count, mask_start: int32[b]; active, proposing: bool[b]
+  -> (final-normed hidden [b, real_slots + window - 1, embed], the updated cache)."""
+  batch, slots = seq.shape
+  slot = jnp.arange(real_slots)[None]
+  is_real = (slot < real_count[:, None]) & active[:, None]
+  real_pos = cursor[:, None] + slot
+  real_tokens = jnp.take_along_axis(seq, jnp.minimum(real_pos, slots - 1), axis=1)
+  mask_pos = mask_start[:, None] + jnp.arange(window - 1)[None]
+  tokens = jnp.concatenate(
+      [real_tokens, jnp.broadcast_to(mask_token_id, (batch, window - 1))],
+      axis=1).astype(jnp.int32)
+  positions = jnp.concatenate([real_pos, mask_pos], axis=1)
+  write_slots = jnp.concatenate([jnp.where(is_real, real_pos, slots),
+                                 jnp.where(proposing[:, None], mask_pos, slots)], axis=1)
+  attn_mask = jnp.arange(slots)[None, None] <= positions[..., None]
   return qwen2.Qwen2ForCausalLM(config, runtime).apply(
-      {"params": params}, tokens, positions, attn_mask, cache, write_index, method="hidden")
+      {"params": params}, tokens, positions, attn_mask, cache, write_slots, method="hidden")
 
 
 def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, eos_ids: Array,
@@ -223,21 +243,10 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
     drafts_fed = jnp.where(partial | ~c.lossless, 0,
                            jnp.clip(jnp.minimum(state.draft, real_slots - pending), 0, cap - 1))
   real_count = jnp.where(partial, real_slots, pending + drafts_fed)
-  slot = jnp.arange(real_slots)[None]
-  is_real = (slot < real_count[:, None]) & active[:, None]
-  real_pos = cursor[:, None] + slot
-  real_tokens = jnp.take_along_axis(state.seq, jnp.minimum(real_pos, slots - 1), axis=1)
-  mask_pos = (length + drafts_fed - 1)[:, None] + jnp.arange(1, window)[None]
-  tokens = jnp.concatenate(
-      [real_tokens, jnp.broadcast_to(mask_token_id, (batch, window - 1))],
-      axis=1).astype(jnp.int32)
-  positions = jnp.concatenate([real_pos, mask_pos], axis=1)
   proposing = active & ~partial
-  write_slots = jnp.concatenate([jnp.where(is_real, real_pos, slots),
-                                 jnp.where(proposing[:, None], mask_pos, slots)], axis=1)
-  attn_mask = jnp.arange(slots)[None, None] <= positions[..., None]
-  hidden, cache = _hidden(config, runtime, params, tokens, positions, state.cache,
-                          write_slots, attn_mask)
+  hidden, cache = feed(config, runtime, params, state.seq, state.cache, cursor, real_count,
+                       length + drafts_fed, active, proposing, mask_token_id,
+                       real_slots=real_slots, window=window)
 
   last_verified = jnp.maximum(pending - 1, 0)[:, None]  # input slot of the last real token
   real_out = last_verified + jnp.arange(window if mode == "lossless" else 1)[None]

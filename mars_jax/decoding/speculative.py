@@ -185,22 +185,11 @@ def verify(target: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array
   fed = jnp.where(partial, 0, fed)
   proposing = active & ~partial
   real_count = jnp.where(partial, real_slots, pending + fed)
-  slot = jnp.arange(real_slots)[None]
-  real_pos = cursor[:, None] + slot
-  is_real = (slot < real_count[:, None]) & active[:, None]
-  real_tokens = jnp.minimum(
-      jnp.take_along_axis(d.seq, jnp.minimum(real_pos, slots - 1), axis=1),
-      target.config.vocab_size - 1)
   end = length + fed                              # the position after the last draft
-  mask_pos = end[:, None] + jnp.arange(window - 1)[None]
-  tokens = jnp.concatenate(
-      [real_tokens, jnp.broadcast_to(mask_token_id, (batch, window - 1))], axis=1)
-  positions = jnp.concatenate([real_pos, mask_pos], axis=1)
-  write = jnp.concatenate([jnp.where(is_real, real_pos, slots),
-                           jnp.where(proposing[:, None], mask_pos, slots)], axis=1)
-  attn_mask = jnp.arange(slots)[None, None] <= positions[..., None]
-  hidden, cache = loop._hidden(target.config, target.runtime, params, tokens.astype(jnp.int32),
-                               positions, t.cache, write, attn_mask)
+  hidden, cache = loop.feed(target.config, target.runtime, params,
+                            jnp.minimum(d.seq, target.config.vocab_size - 1), t.cache,
+                            cursor, real_count, end, active, proposing, mask_token_id,
+                            real_slots=real_slots, window=window)
 
   i = jnp.arange(k + 1)[None]                     # the AR token after i drafts
   j = jnp.arange(window - 1)[None]                # MASK slot j: the token at end + 1 + j

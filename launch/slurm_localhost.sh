@@ -16,7 +16,8 @@ down    stops exactly the daemons `up` started (their pids are in DIR) and remov
         slurm.conf it wrote; nothing else.
 status  says whether the cluster is up (status 0) or not (status 1).
 
-Needs root (the daemons run as root) and, to install, apt-get with a package index.
+Needs root (the daemons run as root) and, to install, apt-get with a package index;
+exits with status 3 when it cannot have them, 1 on any other failure.
 Refuses to overwrite a /etc/slurm/slurm.conf it did not write, or to start beside a
 slurmctld or slurmd it did not start. DIR (default $MARS_SLURM_DIR or
 /var/tmp/mars_jax_slurm) holds the daemons' state, spool, logs and pids.
@@ -43,6 +44,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 die() { echo "slurm_localhost.sh: $*" >&2; exit 1; }
+cannot() { echo "slurm_localhost.sh: $*" >&2; exit 3; }   # status 3: SLURM cannot be had here
 ours() { [[ -f "$CONF" ]] && [[ "$(head -n 1 "$CONF")" == "$MARK" ]]; }
 alive() { [[ -f "$dir/$1.pid" ]] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
 node_idle() { sinfo -h -N -o '%T' 2>/dev/null | grep -qxE 'idle|mixed|allocated'; }
@@ -50,13 +52,13 @@ node_idle() { sinfo -h -N -o '%T' 2>/dev/null | grep -qxE 'idle|mixed|allocated'
 install_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
     && command -v sbatch >/dev/null && command -v munged >/dev/null && return
-  command -v apt-get >/dev/null || die "slurmctld, slurmd or munged is missing and there is no apt-get to install Debian's slurm-wlm and munge; install them and rerun."
+  command -v apt-get >/dev/null || cannot "slurmctld, slurmd or munged is missing and there is no apt-get to install Debian's slurm-wlm and munge; install them and rerun."
   echo "slurm_localhost.sh: installing slurm-wlm and munge (apt-get)" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >&2 \
     || { apt-get update -q >&2 && apt-get install -y -q --no-install-recommends \
            slurmctld slurmd slurm-client munge >&2; } \
-    || die "apt-get could not install slurm-wlm and munge (no package index reachable?)"
+    || cannot "apt-get could not install slurm-wlm and munge (no package index reachable?)"
 }
 
 write_conf() {
@@ -71,6 +73,8 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again once its old credential expires (120 s by default).
+AuthInfo=cred_expire=20
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -98,7 +102,7 @@ CONF
 }
 
 up() {
-  [[ $(id -u) == 0 ]] || die "needs root: the SLURM daemons run as root here (run it with sudo)."
+  [[ $(id -u) == 0 ]] || cannot "needs root: the SLURM daemons run as root here (run it with sudo)."
   if ours && alive slurmctld && alive slurmd && node_idle; then
     echo "slurm_localhost.sh: already up (slurm.conf $CONF, state $dir)"; return
   fi
@@ -114,8 +118,10 @@ up() {
   if ! pgrep -x munged >/dev/null; then
     mkdir -p /run/munge && chown munge:munge /run/munge 2>/dev/null || true
     [[ -f /etc/munge/munge.key ]] || die "/etc/munge/munge.key is missing (reinstall munge)."
+    rm -f /run/munge/munged.pid
     runuser -u munge -- /usr/sbin/munged || die "munged did not start"
-    pgrep -x -u munge munged | head -n 1 > "$dir/munged.pid"
+    for _ in $(seq 50); do [[ -s /run/munge/munged.pid ]] && break; sleep 0.1; done
+    cp /run/munge/munged.pid "$dir/munged.pid" || die "munged wrote no pid file"
     echo munged >> "$dir/started"
   fi
   alive slurmctld || { slurmctld -f "$CONF" || die "slurmctld did not start; see $dir/slurmctld.log"; echo slurmctld >> "$dir/started"; }

@@ -47,7 +47,7 @@ die() { echo "slurm_localhost.sh: $*" >&2; exit 1; }
 cannot() { echo "slurm_localhost.sh: $*" >&2; exit 3; }   # status 3: SLURM cannot be had here
 ours() { [[ -f "$CONF" ]] && [[ "$(head -n 1 "$CONF")" == "$MARK" ]]; }
 alive() { [[ -f "$dir/$1.pid" ]] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
-node_idle() { sinfo -h -N -o '%T' 2>/dev/null | grep -qxE 'idle|mixed|allocated'; }
+node_idle() { sinfo -h -N -o '%T' 2>/dev/null | grep -qxE 'idle|mixed|allocated|completing'; }
 
 install_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null \

@@ -23,11 +23,12 @@ def free_port():
     return s.getsockname()[1]
 
 
-def train_2proc(workdir, *extra):
+def train_2proc(workdir, *extra, devices=2):
+  """launch/local.sh: 2 processes x `devices` CPU devices -> the log directory."""
   logdir = os.path.join(workdir + "_logs")
   r = subprocess.run(
       ["bash", os.path.join(ROOT, "launch/local.sh"), "--num-processes", "2",
-       "--devices-per-process", "2", "--port", str(free_port()), "--logdir", logdir, "--",
+       "--devices-per-process", str(devices), "--port", str(free_port()), "--logdir", logdir, "--",
        *SMALL, f"--workdir={workdir}", *extra],
       env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": ROOT}, cwd=ROOT,
       capture_output=True, text=True)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from test_multiprocess import free_port
+from test_multiprocess import free_port, train_2proc
 from test_train import ROOT, SMALL, assert_bitwise, losses, params_of, train
 
 pytestmark = pytest.mark.slurm
@@ -113,16 +113,6 @@ def stop_steps(log, run_dir):
   return [(int(p), int(s)) for p, s in found]
 
 
-def local_2proc(workdir, *extra):
-  r = subprocess.run(
-      ["bash", os.path.join(ROOT, "launch/local.sh"), "--num-processes", "2",
-       "--devices-per-process", "1", "--port", str(free_port()), "--logdir",
-       workdir + "_logs", "--", *SMALL, f"--workdir={workdir}", *extra],
-      env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": ROOT}, cwd=ROOT,
-      capture_output=True, text=True)
-  assert r.returncode == 0, r.stderr[-3000:]
-
-
 def test_two_tasks_equal_local_sh_and_one_process(cluster, tmp_path):
   """sbatch with the shipped script's directives resized by sbatch's own flags: two tasks
   of one node form one JAX job (2 processes x 1 CPU device) and end bitwise equal to
@@ -137,7 +127,7 @@ def test_two_tasks_equal_local_sh_and_one_process(cluster, tmp_path):
   assert "process 1/2, 1 local / 2 global devices (cpu)" in log
   assert f"job {job}: srun status 0" in log
   local, one = str(tmp_path / "local"), str(tmp_path / "one")
-  local_2proc(local, *SHORT)
+  train_2proc(local, *SHORT, devices=1)
   assert losses(d) == losses(local)
   assert_bitwise(params_of(d), params_of(local))
   train(one, *SHORT)
@@ -151,7 +141,7 @@ def long_ref(cluster, tmp_path_factory):
   """The uninterrupted 2-process run (launch/local.sh) of LONG, the reference of the
   preempted jobs; it also fills the compilation cache that their attempts start from."""
   d = str(tmp_path_factory.mktemp("long") / "local")
-  local_2proc(d, *LONG)
+  train_2proc(d, *LONG, devices=1)
   return d
 
 

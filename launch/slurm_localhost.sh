@@ -24,7 +24,8 @@ slurmctld or slurmd it did not start. DIR (default $MARS_SLURM_DIR or
 
 Example (the GPU-cluster script on this CPU machine, two tasks):
   launch/slurm_localhost.sh up
-  JAX_PLATFORMS=cpu sbatch --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
+  mkdir -p runs   # sbatch does not make --output's directory
+  sbatch --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
       --gpus-per-node=0 --output=runs/slurm-%j.out launch/gpu_slurm.sbatch \
       --venv "$VIRTUAL_ENV" -- --config configs/tiny.py --workdir runs/slurm
   launch/slurm_localhost.sh down

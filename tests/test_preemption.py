@@ -127,19 +127,26 @@ def test_two_processes_stop_at_the_same_step(tmp_path):
 
 def test_slurm_script_requeues_on_sigterm_status(tmp_path):
   """gpu_slurm.sbatch with stand-ins for srun and scontrol: status 143 requeues the job
-  and is the script's status; any other failure does not requeue."""
+  while SLURM has it RUNNING and is the script's status; a job being cancelled (plain
+  scancel: COMPLETING) is not requeued, nor is any other failure."""
   calls = tmp_path / "calls"
   for name, body in (("srun", 'echo "srun $*" >> "$CALLS"; exit "$SRUN_STATUS"'),
-                     ("scontrol", 'echo "scontrol $*" >> "$CALLS"')):
+                     ("scontrol", 'echo "scontrol $*" >> "$CALLS"\n'
+                                  '[ "$1" = show ] && echo "JobId=77 JobState=$JOB_STATE"; exit 0')):
     (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
     (tmp_path / name).chmod(0o755)
-  for status, requeued in ((143, True), (1, False)):
+  for status, state, requeued in ((143, "RUNNING", True), (143, "COMPLETING", False),
+                                  (1, "RUNNING", False)):
     calls.write_text("")
     r = subprocess.run(
         ["bash", os.path.join(ROOT, "launch/gpu_slurm.sbatch"), "--", "--config", "c"],
         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "CALLS": str(calls),
-             "SRUN_STATUS": str(status), "SLURM_JOB_ID": "77"}, capture_output=True, text=True)
+             "SRUN_STATUS": str(status), "SLURM_JOB_ID": "77", "JOB_STATE": state},
+        capture_output=True, text=True)
     assert r.returncode == status
     lines = calls.read_text().splitlines()
     assert "exec python -m mars_jax.train --config c" in lines[0]
-    assert lines[1:] == (["scontrol requeue 77"] if requeued else [])
+    assert [l for l in lines[1:] if "requeue" in l] == (
+        ["scontrol requeue 77"] if requeued else [])
+    if status == 143 and not requeued:
+      assert "the job is COMPLETING (cancelled, or out of time), so it is not requeued" in r.stderr

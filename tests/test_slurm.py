@@ -191,3 +191,18 @@ def test_preempted_requeued_resumes_bitwise(long_ref, tmp_path):
   assert sorted(got) == list(range(1, steps + 1))
   assert [got[s] for s in range(1, steps + 1)] == [ref[s] for s in range(1, steps + 1)]
   assert_bitwise(params_of(d), params_of(long_ref))
+
+
+def test_plain_scancel_is_not_requeued(long_ref, tmp_path):
+  """A plain scancel cancels: the script does not bring the job back."""
+  d, out = str(tmp_path / "slurm"), str(tmp_path / "slurm-%j.out")
+  job = sbatch(out, d, *LONG)
+  wait_for_new_step(job, d, restarts=0)
+  sh("scancel", job)
+  state = wait_for(job, lambda s, r, n: s not in ("RUNNING", "COMPLETING", "PENDING"),
+                   "ended")
+  log = open(out.replace("%j", job)).read()
+  assert state[0] == "CANCELLED" and state[2] == 0, (state, log[-3000:])
+  assert "so it is not requeued: submit the same sbatch command to resume" in log, log[-3000:]
+  time.sleep(25)   # past cred_expire: a requeued job would be back by now
+  assert job_state(job)[0] == "CANCELLED"

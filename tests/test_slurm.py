@@ -32,6 +32,7 @@ SHORT = ["--config.train.steps=8", "--config.train.checkpoint_every=4"]
 LONG = ["--config.train.steps=700", "--config.train.checkpoint_every=1000",
         "--config.train.eval_batches=0", "--config.train.log_every=1"]
 SIZES = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+SUBMITTED = []   # job ids of this module, cancelled at its end
 
 
 def sh(*cmd, check=True):
@@ -54,6 +55,8 @@ def cluster(tmp_path_factory):
     mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
     mp.delenv("JAX_PLATFORMS", raising=False)   # the script's own CPU-node rule decides
     yield
+  if SUBMITTED:   # a job of a failed test must not hold the node
+    sh("scancel", *SUBMITTED, check=False)
   if not was_up:
     sh("bash", CLUSTER, "down")
 
@@ -62,9 +65,11 @@ def sbatch(out, workdir, *train_args, sizes=SIZES):
   """Submits the shipped script as a user would (its environment exported, the test's
   virtual environment activated on the node) -> job id."""
   venv = ["--venv", sys.prefix] if sys.prefix != sys.base_prefix else []
-  return sh("sbatch", "--parsable", *sizes, f"--output={out}", f"--chdir={ROOT}", SBATCH,
-            "--port", str(free_port()), *venv, "--", *SMALL, f"--workdir={workdir}",
-            *train_args)
+  job = sh("sbatch", "--parsable", *sizes, f"--output={out}", f"--chdir={ROOT}", SBATCH,
+           "--port", str(free_port()), *venv, "--", *SMALL, f"--workdir={workdir}",
+           *train_args)
+  SUBMITTED.append(job)
+  return job
 
 
 def job_state(job):

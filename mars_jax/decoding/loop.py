@@ -84,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -382,6 +383,32 @@ def stop(state: DecodeState, rows: Array, keep: Array, *, mesh: Mesh | None = No
   with on_mesh(mesh):
     return pin(state.replace(length=length, done=state.done | rows,
                              forwards=jnp.where(rows, last, state.forwards)))
+
+
+class Harvest(NamedTuple):
+  """What the host reads of a state after a round (`harvest`): per row, the tokens
+  committed since `since` and the forward that committed each, and the counters.
+
+  tokens, born: int32[b, width] (valid up to length - since); length, forwards: int32[b];
+  done: bool[b]; steps: int32[].
+  """
+  tokens: Array
+  born: Array
+  length: Array
+  forwards: Array
+  done: Array
+  steps: Array
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def harvest(state: DecodeState, since: Array, *, width: int) -> Harvest:
+  """The `Harvest` of each row from position since[i] on (int32[b]): at most `width`
+  tokens, which a round's steps x W bounds; one small device-to-host copy, whatever the
+  cache length."""
+  idx = jnp.minimum(since[:, None] + jnp.arange(width)[None], state.seq.shape[1] - 1)
+  return Harvest(jnp.take_along_axis(state.seq, idx, axis=1),
+                 jnp.take_along_axis(state.born, idx, axis=1), state.length,
+                 state.forwards, state.done, state.steps)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))

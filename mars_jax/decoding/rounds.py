@@ -46,34 +46,47 @@ def progress(state: DecodeState) -> Progress:
   return Progress(done, length, forwards, int(steps))
 
 
-def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
-              eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
-              before: Progress | None = None, real_slots: int = 0, wide_steps: int = 1,
-              stop_on_finish: bool = False, steps: int | None = None, min_window: int = 1,
-              scan: StopScan | None = None, runtime: Runtime = DEFAULT_RUNTIME,
-              mesh: Mesh | None = None) -> tuple[DecodeState, int, Progress]:
-  """One round: W for the state's batch (the policy's, or min_window when larger:
-  rows that fixed their own window), then `steps` steps (`policy.round_steps` by
-  default; the first `wide_steps` of them `real_slots` wide when that exceeds W, to
-  prefill new rows), the rows that were live cut at their stop strings (`scan`), and
-  the acceptance seen (up to the cuts) reported to the policy.
-  before: the state's `progress` when the caller has it; mesh: the one the params
-  and the state are placed on (None: one device).
-  -> (new state, W, its progress)."""
+def dispatch(config: Qwen2Config, params, state: DecodeState, policy: Policy, *, active: int,
+             eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
+             real_slots: int = 0, wide_steps: int = 1,
+             stop_on_finish: bool = False, steps: int | None = None, min_window: int = 1,
+             runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None
+             ) -> tuple[DecodeState, int]:
+  """The kernels of one round, dispatched without waiting for them: W for the state's
+  batch and `active` live rows (the policy's, or min_window when larger: rows that
+  fixed their own window), then `steps` steps (`policy.round_steps` by default; the
+  first `wide_steps` of them `real_slots` wide when that exceeds W, to prefill new
+  rows). -> (new state, W)."""
   b, cache_len = state.seq.shape
-  before = before or progress(state)
-  window = max(policy.choose(b, cache_len, int(np.sum(~before.done)), measure), min_window)
+  window = max(policy.choose(b, cache_len, active, measure), min_window)
   call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
-                           mask_token_id=np.int32(mask_token_id), window=window, mode=mode,
+                           mask_token_id=np.int32(mask_token_id), mode=mode,
                            runtime=runtime, mesh=mesh)
   steps = steps or policy.round_steps
   if real_slots > window:
     state = call(state=state, max_steps=np.int32(wide_steps), stop_on_finish=np.bool_(False),
-                 real_slots=real_slots)
+                 real_slots=real_slots, window=window)
     steps -= wide_steps
   if steps > 0:
     state = call(state=state, max_steps=np.int32(steps),
-                 stop_on_finish=np.bool_(stop_on_finish), real_slots=window)
+                 stop_on_finish=np.bool_(stop_on_finish), real_slots=window, window=window)
+  return state, window
+
+
+def run_round(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
+              eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
+              before: Progress | None = None, steps: int | None = None,
+              scan: StopScan | None = None, runtime: Runtime = DEFAULT_RUNTIME,
+              mesh: Mesh | None = None) -> tuple[DecodeState, int, Progress]:
+  """One round (`dispatch`), the rows that were live cut at their stop strings (`scan`),
+  and the acceptance seen (up to the cuts) reported to the policy.
+  before: the state's `progress` when the caller has it; mesh: the one the params
+  and the state are placed on (None: one device).
+  -> (new state, W, its progress)."""
+  before = before or progress(state)
+  state, window = dispatch(config, params, state, policy, active=int(np.sum(~before.done)),
+                           eos_ids=eos_ids, mask_token_id=mask_token_id, mode=mode,
+                           measure=measure, steps=steps, runtime=runtime, mesh=mesh)
   found = scan.scan(state, ~before.done) if scan is not None else None
   if found is not None:
     state = loop.stop(state, *found, mesh=mesh)

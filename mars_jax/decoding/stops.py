@@ -10,9 +10,12 @@ sample whose text holds a stop string is cut after the token that completed it
   text       The answer is 4.\\n\\nQ:
   kept       the first 6 tokens (the 6th completes "\\n\\nQ"); text "The answer is 4."
 
-The token that completes a stop string is found by bisection over prefixes of the
-tokens (does the text of the first k hold a stop?), each decoded as the user sees it
-(`skip_special_tokens=True`), so stops split over several tokens are found.
+Text is decoded as the user sees it (`skip_special_tokens=True`) and incrementally
+(`Detokenizer`): each new token is decoded with a few tokens of context before it, never
+the whole completion again, so a round costs what its new tokens cost. The token that
+completes a stop string is the first one after which the text holds it; stops split
+over several tokens are found. `first_stop` is the same answer by bisection over whole
+decodes of prefixes (the reference the tests compare with).
 """
 
 from __future__ import annotations
@@ -79,11 +82,54 @@ def text(tokenizer, tokens: Sequence[int], stops: Sequence[str], *, reason: str,
   return cut(decode(tokenizer, tokens[:-1] if ended_by_token else tokens), stops)
 
 
+class Detokenizer:
+  """The text of a growing token list, decoding only the newest tokens.
+
+    d = Detokenizer(tokenizer)
+    d.push([17, 42])   # -> "Hel" (the new text); d.text == "Hel"
+    d.push([9])        # -> "lo"
+
+  Each push decodes the tokens since the last text it emitted together with the ones
+  just before them (`prefix`), and emits the difference: a tokenizer that spaces or
+  merges by context (word-level joins, byte-level BPE) gives the text a whole decode
+  gives. A trailing U+FFFD (a multibyte character whose bytes span tokens) is held
+  until the next tokens complete it.
+  """
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self.tokens: list[int] = []
+    self.prefix = 0   # tokens[prefix:read]: the context of the next decode
+    self.read = 0     # tokens[:read] are in `text`
+    self.text = ""
+
+  def push(self, tokens: Sequence[int]) -> str:
+    """Appends tokens -> the text they add ("" while it is not decided yet)."""
+    self.tokens.extend(tokens)
+    if len(self.tokens) == self.read:
+      return ""
+    before = decode(self.tokenizer, self.tokens[self.prefix:self.read])
+    after = decode(self.tokenizer, self.tokens[self.prefix:])
+    if len(after) <= len(before) or after.endswith("\ufffd"):
+      return ""
+    delta = after[len(before):]
+    self.prefix, self.read = self.read, len(self.tokens)
+    self.text += delta
+    return delta
+
+
+def found_in_tail(text: str, new: int, stops: Sequence[str]) -> bool:
+  """Whether a stop string ends in the last `new` characters of `text`."""
+  longest = max(map(len, stops))
+  tail = text[max(len(text) - new - longest + 1, 0):]
+  return any(s in tail for s in stops)
+
+
 class StopScan:
   """The host side of stop strings for the rows of one state.
 
-  stops: per row, its stop strings (empty: none); a row's `checked` count is how many
-  of its tokens are known to hold no stop string.
+  stops: per row, its stop strings (empty: none); `checked`: per row, how many of its
+  tokens have been decoded and hold no stop string; `stopped`: a stop string ended it.
   """
 
   def __init__(self, tokenizer, stops: Sequence[Sequence[str]]):
@@ -91,13 +137,18 @@ class StopScan:
       raise ValueError("stop strings need a tokenizer to decode the text they are found "
                        "in; pass tokenizer= (hf.load_tokenizer's).")
     self.tokenizer = tokenizer
-    self.stops = [tuple(s) for s in stops]
-    self.checked = [0] * len(self.stops)
-    self.stopped = [False] * len(self.stops)
+    self.stops: list[tuple[str, ...]] = []
+    self.checked: list[int] = []
+    self.stopped: list[bool] = []
+    self.text: list[Detokenizer | None] = []
+    self.grow(len(stops))
+    for row, s in enumerate(stops):
+      self.reset(row, s)
 
   def reset(self, row: int, stops: Sequence[str]) -> None:
     """A new sample in `row` (continuous batching)."""
     self.stops[row], self.checked[row], self.stopped[row] = tuple(stops), 0, False
+    self.text[row] = Detokenizer(self.tokenizer) if stops else None
 
   def grow(self, rows: int) -> None:
     """Rows added at the end (rows without stop strings until `reset`)."""
@@ -105,6 +156,32 @@ class StopScan:
     self.stops += [()] * extra
     self.checked += [0] * extra
     self.stopped += [False] * extra
+    self.text += [None] * extra
+
+  def take(self, rows: Sequence[int]) -> "StopScan":
+    """A scan of len(rows) rows: row i is this one's row rows[i], or a fresh one where
+    rows[i] is None (`loop.regroup`)."""
+    scan = StopScan(self.tokenizer, [()] * len(rows))
+    for new, old in enumerate(rows):
+      if old is not None:
+        scan.stops[new], scan.checked[new] = self.stops[old], self.checked[old]
+        scan.stopped[new], scan.text[new] = self.stopped[old], self.text[old]
+    return scan
+
+  def push(self, row: int, tokens: Sequence[int]) -> int | None:
+    """The row's next tokens (those after its `checked` ones) -> how many of all its
+    tokens to keep when one of them completes a stop string (the row is then
+    `stopped`), else None."""
+    if not self.stops[row] or self.stopped[row]:
+      return None
+    text = self.text[row]
+    for token in tokens:
+      self.checked[row] += 1
+      delta = text.push([token])
+      if delta and found_in_tail(text.text, len(delta), self.stops[row]):
+        self.stopped[row] = True
+        return self.checked[row]
+    return None
 
   def scan(self, state: DecodeState, live: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Looks for stop strings in the rows `live` (bool[b]: decoding during the round)
@@ -115,12 +192,7 @@ class StopScan:
     rows = np.zeros((len(live),), bool)
     keep = np.zeros((len(live),), np.int32)
     for i in np.flatnonzero(live):
-      if not self.stops[i] or self.stopped[i]:
-        continue
-      tokens = seq[i, start[i]:length[i]].tolist()
-      k = first_stop(self.tokenizer, tokens, self.stops[i], self.checked[i])
-      self.checked[i] = len(tokens)
+      k = self.push(i, seq[i, start[i] + self.checked[i]:length[i]].tolist())
       if k is not None:
-        rows[i], keep[i], self.stopped[i] = True, k, True
-        self.checked[i] = k
+        rows[i], keep[i] = True, k
     return (rows, keep) if rows.any() else None

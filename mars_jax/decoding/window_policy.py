@@ -26,6 +26,7 @@ Pure host logic: no JAX here, so the sampler can depend on this module.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from typing import Callable, Sequence
@@ -128,7 +129,8 @@ class WindowPolicy:
     self.stats = AcceptanceStats(prior_forwards)
     self.round_steps = round_steps
     self.calibration_rounds = calibration_rounds
-    self.choices: list[tuple[int, int, int]] = []   # (batch, active, W) per decision
+    # (batch, active, W) of the latest decisions (bounded: a server decides every round)
+    self.choices: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
 
   def calibrate(self, batch: int, cache_len: int, measure: Measure) -> None:
     """Measures the windows the table has no cost for at (batch, cache_len)."""

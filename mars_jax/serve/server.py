@@ -21,16 +21,23 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      the other rows keep decoding in the same forwards;
   3. decode: the policy picks W, at least the largest window a live request fixed
      (rounded up to one of the policy's windows or max_window, which bounds the
-     compiled variants);
-     the loop runs `round_steps` steps, ending early when a row finishes and requests
-     are waiting. Requests with window "auto" take the round's W; one with a fixed
-     window commits at most that many tokens per forward. The round runs the
-     lossless kernel when some live request is lossless, the gated one otherwise
-     (`loop.Controls`);
-  4. stop: rows whose new text holds one of their stop strings are cut after the
-     token that completed it (`mars_jax.decoding.stops`);
-  5. stream: the tokens each request committed since the last step come back as
+     compiled variants); the loop runs `round_steps` steps, ending early when a row
+     finishes and requests are waiting. Requests with window
+     "auto" take the round's W; one with a fixed window commits at most that many
+     tokens per forward. A lossless server runs the lossless kernel always (it gates
+     its gated rows on the same forward); a gated one runs it when some live request
+     is lossless (`loop.Controls`);
+  4. harvest: one device-to-host copy of each row's new tokens and counters
+     (`loop.harvest`: O(new tokens), whatever the cache length); no other sync;
+  5. stop: rows whose new text holds one of their stop strings are cut after the
+     token that completed it (`mars_jax.decoding.stops`: the new text only);
+  6. stream: the tokens each request committed since the last step come back as
      `Update`s; a finished request becomes a `Completion` and frees its row.
+
+`warmup` compiles (and, for a `WindowPolicy`, times) every variant the steps can
+meet, so a server that has run it compiles nothing while serving. `reset` drops the
+running requests and starts from a fresh state: what a failed round leaves behind
+(its buffers may have been donated) is never used again.
 
 `cancel` drops a queued request, or ends a running one at the start of the next
 step (its row is free for the refill of that step).
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Iterator, Sequence
 
@@ -107,6 +115,7 @@ class Completion:
   finish_reason: str = "length"
   text: str | None = None
   drafter_forwards: int = 0  # with a drafter: the drafter forwards it drafted in
+  stopped: bool = False      # a stop string ended it
 
   @property
   def tokens_per_forward(self) -> float:
@@ -165,28 +174,45 @@ class Server:
     self.eos_ids = batching.eos_array(eos_token_ids)
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
     self.tokenizer, self.max_stop_ids = tokenizer, max_stop_ids
+    self._streams: dict[int, _Stream] = {}
     self.measure = timing.measure_fn(config, params, mode=mode,
                                      mask_token_id=mask_token_id, runtime=runtime, mesh=mesh)
     if drafter is not None:
       self.models = (speculative.Model(config, runtime),
                      speculative.Model(drafter.config, drafter.runtime))
-      self.state = speculative.new_state(*self.models, self.min_batch, max_len,
-                                         stop_ids=max_stop_ids)
-    elif mesh is None:
-      self.state = loop.new_state(config, self.min_batch, max_len, runtime=runtime,
-                                  stop_ids=max_stop_ids)
-    else:
-      self.state = decode_mesh.new_state(config, mesh, self.min_batch, max_len,
-                                         runtime=runtime, stop_ids=max_stop_ids)
-    self.slots: list[int | None] = [None] * self.min_batch
-    self.scan = stops.StopScan(tokenizer, [()] * self.min_batch)
-    self._requests: dict[int, Request] = {}
+    self.buckets = [b for b in (self.min_batch << i for i in range(self.max_batch.bit_length()))
+                    if b < self.max_batch] + [self.max_batch]
+    self.harvest_width = self.policy.round_steps * (self.extra_slots + 1)
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
-    self._streamed: dict[int, int] = {}
-    self._cancelled: set[int] = set()
+    self._requests: dict[int, Request] = {}
     self._next_id = 0
     self.window = 0          # the W of the last round (0: none ran yet)
+    self.steps = 0           # forwards run for the batch
+    self.reset()
+
+  def _new_state(self, rows: int):
+    if self.drafter is not None:
+      return speculative.new_state(*self.models, rows, self.max_len,
+                                   stop_ids=self.max_stop_ids)
+    if self.mesh is None:
+      return loop.new_state(self.config, rows, self.max_len, runtime=self.runtime,
+                            stop_ids=self.max_stop_ids)
+    return decode_mesh.new_state(self.config, self.mesh, rows, self.max_len,
+                                 runtime=self.runtime, stop_ids=self.max_stop_ids)
+
+  def reset(self) -> list[int]:
+    """A fresh state of min_batch_size rows: the running requests are dropped (no
+    `Completion`) and the queue kept; -> the ids dropped. What a failed step left
+    behind (its buffers may have been donated) is never read again."""
+    dropped = [r for r in getattr(self, "slots", ()) if r is not None]
+    for rid in dropped:
+      self._forget(rid)
+    self.state = self._new_state(self.min_batch)
+    self.slots: list[int | None] = [None] * self.min_batch
+    self.scan = stops.StopScan(self.tokenizer, [()] * self.min_batch)
+    self._cancelled: set[int] = set()
+    return dropped
 
   @classmethod
   def from_model(cls, model, **kwargs) -> "Server":
@@ -261,7 +287,6 @@ class Server:
                       controls, stop_strings)
     self.queue.append(request)
     self._requests[request.request_id] = request
-    self._streamed[request.request_id] = 0
     self._next_id += 1
     return request.request_id
 
@@ -279,7 +304,8 @@ class Server:
     return True
 
   def _forget(self, request_id: int) -> None:
-    del self._requests[request_id], self._streamed[request_id]
+    del self._requests[request_id]
+    self._streams.pop(request_id, None)
 
   def _drop_cancelled(self) -> None:
     """Ends the running requests `cancel` was called on and frees their rows."""
@@ -301,13 +327,20 @@ class Server:
     keep = [i for i, r in enumerate(self.slots) if r is not None]
     rows = np.full((want,), len(self.slots), np.int32)
     rows[:len(keep)] = keep
-    self.state = (speculative.regroup(self.state, rows) if self.drafter is not None
-                  else loop.regroup(self.state, rows, mesh=self.mesh))
+    self.state = self._regroup(self.state, rows)
     self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
-    scan = stops.StopScan(self.tokenizer, [()] * want)
-    for new, old in enumerate(keep):
-      scan.stops[new], scan.checked[new] = self.scan.stops[old], self.scan.checked[old]
-    self.scan = scan
+    self.scan = self.scan.take(keep + [None] * (want - len(keep)))
+
+  def _regroup(self, state, rows: np.ndarray):
+    return (speculative.regroup(state, rows) if self.drafter is not None
+            else loop.regroup(state, rows, mesh=self.mesh))
+
+  def _insert(self, state, rows: np.ndarray, new: batching.Bucket):
+    if self.drafter is not None:
+      return speculative.insert(state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
+                                new.controls)
+    return loop.insert(state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
+                       new.controls, mesh=self.mesh)
 
   def _refill(self) -> tuple[int, int]:
     """Starts queued requests in free rows; -> (prefill width, prefill steps), (0, 0)
@@ -326,44 +359,56 @@ class Server:
     for row, r in zip(free, started):
       self.slots[row] = r.request_id
       self.scan.reset(row, r.stop)
+      self._streams[r.request_id] = _Stream()
+    self.state = self._insert(self.state, rows, new)
     if self.drafter is not None:
-      self.state = speculative.insert(self.state, rows, new.prompt, new.prompt_len,
-                                      new.max_new_tokens, new.controls)
       return new.prompt.shape[1], 1
-    self.state = loop.insert(self.state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
-                             new.controls, mesh=self.mesh)
     width = min(new.prompt.shape[1], self.prefill_chunk)
     return width, math.ceil(max(len(r.prompt) for r in started) / width)
 
+  def _kernel_mode(self, live: Sequence[dict]) -> Mode:
+    """The kernel of a round: lossless on a lossless server (it gates gated rows too),
+    else lossless only when some live request is."""
+    return ("lossless" if self.mode == "lossless" or any(c["lossless"] for c in live)
+            else "gated")
+
   def step(self) -> list[Update]:
-    """One round: cancel, resize, refill, decode, stream (see the module doc)."""
+    """One round: cancel, resize, refill, decode, harvest, stop, stream (module doc)."""
     self._drop_cancelled()
     self._resize()
     width, prefill_steps = self._refill()
     if not self.active:
       return []
+    before = self._lengths()
     if self.drafter is not None:
-      return self._spec_step(width)
+      self._spec_step(width)
+      return self._harvest(before)
     live = [self._requests[r].controls for r in self.slots if r is not None]
-    mode = "lossless" if any(c["lossless"] for c in live) else "gated"
     fixed = max(c["window"] for c in live)  # the largest window a live request fixed
     floor = min(w for w in (*self.policy.windows, self.max_window) if w >= fixed)
-    self.state, self.window, _ = rounds.run_round(
-        self.config, self.params, self.state, self.policy, eos_ids=self.eos_ids,
-        mask_token_id=self.mask_token_id, mode=mode, measure=self.measure,
-        real_slots=width, wide_steps=prefill_steps, stop_on_finish=bool(self.queue),
-        min_window=floor, scan=self.scan, runtime=self.runtime,
+    self.state, self.window = rounds.dispatch(
+        self.config, self.params, self.state, self.policy, active=self.active,
+        eos_ids=self.eos_ids, mask_token_id=self.mask_token_id, mode=self._kernel_mode(live),
+        measure=self.measure, real_slots=width, wide_steps=prefill_steps,
+        stop_on_finish=bool(self.queue), min_window=floor, runtime=self.runtime,
         mesh=self.mesh)
-    return self._harvest()
+    return self._harvest(before)
+
+  def _lengths(self) -> np.ndarray:
+    """Each row's committed length as the host knows it (int32[b]; 0 on free rows)."""
+    out = np.zeros((len(self.slots),), np.int32)
+    for row, rid in enumerate(self.slots):
+      if rid is not None:
+        out[row] = len(self._requests[rid].prompt) + len(self._streams[rid].tokens)
+    return out
 
   def _stop(self, rows: np.ndarray, keep: np.ndarray) -> None:
     self.state = (speculative.stop(self.state, rows, keep) if self.drafter is not None
                   else loop.stop(self.state, rows, keep, mesh=self.mesh))
 
-  def _spec_step(self, wide: int) -> list[Update]:
+  def _spec_step(self, wide: int) -> None:
     """A round of two-model decoding: `round_steps` rounds (the first one `wide` when new
-    prompts wait for their prefill), then the stop strings looked for."""
-    live = ~np.asarray(jax.device_get(self.state.target.done))
+    prompts wait for their prefill)."""
     self.state = speculative.run_rounds(
         *self.models, self.params, self.drafter.params, self.state, self.eos_ids,
         np.int32(self.mask_token_id), np.int32(self.drafter.mask_token_id),
@@ -371,40 +416,93 @@ class Server:
         shape=speculative.Shape(self.draft_window, self.max_window, self.drafter.window),
         wide=wide)
     self.window = self.max_window
-    found = self.scan.scan(self.state.target, live)
-    if found is not None:
-      self._stop(*found)
-    return self._harvest()
 
-  def _harvest(self) -> list[Update]:
-    state = self.decoded
-    seq, start, length, forwards, done, stop_ids = jax.device_get(
-        (state.seq, state.prompt_len, state.length, state.forwards,
-         state.done, state.controls.stop_ids))
-    drafted = (jax.device_get(self.state.drafter.forwards) if self.drafter is not None
-               else np.zeros_like(forwards))
-    updates = []
+  def _harvest(self, since: np.ndarray) -> list[Update]:
+    """Reads the round's new tokens (one copy), cuts rows at their stop strings, tells
+    the policy what the round accepted, and streams -> the updates."""
+    got = loop.harvest(self.decoded, since, width=self.harvest_width)
+    if self.drafter is not None:
+      got, drafted = jax.device_get((got, self.state.drafter.forwards))
+    else:
+      got, drafted = jax.device_get(got), None
+    self.steps = int(got.steps)
+    live = np.asarray([r is not None for r in self.slots])
+    if np.any(live & (got.length - since > self.harvest_width)):
+      raise RuntimeError(f"a row committed more than {self.harvest_width} tokens in one round; "
+                         "the harvest would drop some.")
+    cut = np.zeros((len(self.slots),), bool)
+    keep = np.zeros((len(self.slots),), np.int32)
+    updates, tokens_seen, forwards_seen = [], 0, 0
     for row, rid in enumerate(self.slots):
       if rid is None:
         continue
-      tokens = seq[row, start[row]:length[row]].tolist()
-      new = tokens[self._streamed[rid]:]
-      self._streamed[rid] = len(tokens)
-      reason = (batching.finish_reason(tokens, self.eos_ids, stop_ids[row],
-                                       stopped=self.scan.stopped[row]) if done[row] else None)
-      updates.append(Update(rid, new, len(tokens), int(forwards[row]), bool(done[row]),
-                            reason))
-      if done[row]:
-        request = self._requests.pop(rid)
-        text = None if self.tokenizer is None else stops.text(
-            self.tokenizer, tokens, request.stop, reason=reason,
-            stopped=self.scan.stopped[row])
-        self.completed[rid] = Completion(rid, tokens, int(forwards[row]), reason, text,
-                                         int(drafted[row]))
-        del self._streamed[rid]
-        self._cancelled.discard(rid)
-        self.slots[row] = None
+      stream = self._streams[rid]
+      new = got.tokens[row, :got.length[row] - since[row]].tolist()
+      forwards, done = int(got.forwards[row]), bool(got.done[row])
+      k = self.scan.push(row, new)
+      if k is not None:  # a stop string: keep k tokens, count forwards up to the k-th
+        new = new[:k - len(stream.tokens)]
+        forwards, done, cut[row], keep[row] = int(got.born[row, len(new) - 1]), True, True, k
+      tokens_seen += len(new)
+      forwards_seen += forwards - stream.forwards
+      stream.tokens += new
+      stream.forwards = forwards
+      reason = (batching.finish_reason(stream.tokens, self.eos_ids,
+                                       self._requests[rid].controls["stop_token_ids"] or [-1],
+                                       stopped=self.scan.stopped[row]) if done else None)
+      updates.append(Update(rid, new, len(stream.tokens), forwards, done, reason))
+      if done:
+        self._finish(row, rid, reason, 0 if drafted is None else int(drafted[row]))
+    if cut.any():
+      self._stop(cut, keep)
+    self.policy.observe(self.window, tokens_seen, forwards_seen)
     return updates
+
+  def _finish(self, row: int, rid: int, reason: str, drafted: int) -> None:
+    request, stream = self._requests[rid], self._streams[rid]
+    stopped = self.scan.stopped[row]
+    text = None if self.tokenizer is None else stops.text(
+        self.tokenizer, stream.tokens, request.stop, reason=reason, stopped=stopped)
+    self.completed[rid] = Completion(rid, stream.tokens, stream.forwards, reason, text,
+                                     drafted, stopped)
+    self._forget(rid)
+    self._cancelled.discard(rid)
+    self.slots[row] = None
+
+  def warmup(self, prompt_len: int | None = None) -> None:
+    """Compiles every variant `step` can meet with prompts of up to `prompt_len` tokens
+    (default: max_len - 1): each batch bucket's insert of every prompt bucket, its
+    prefill and decoding steps at every window, harvest, stop and the moves between
+    buckets; a `WindowPolicy` also times each bucket's windows. The server's state and
+    requests are left as they were."""
+    if self.drafter is not None or self.mesh is not None:
+      raise ValueError("warmup covers one-device serving without a drafter.")
+    prompt_len = min(prompt_len or self.max_len - 1, self.max_len - 1)
+    widths = sorted({batching.pow2(p, batching.MIN_PROMPT_BUCKET) for p in
+                     range(1, prompt_len + 1)})
+    widths = [p for p in widths if p <= self.max_len]
+    windows = sorted({*self.policy.windows, self.max_window})
+    modes = ["lossless"] if self.mode == "lossless" else ["gated", "lossless"]
+    for b in self.buckets:
+      if isinstance(self.policy, WindowPolicy):
+        self.policy.calibrate(b, self.max_len, self.measure)
+      state = self._new_state(b)
+      for p in widths:
+        new = batching.bucket([[0] * p], b, max_new_tokens=1, stop_width=self.max_stop_ids)
+        state = self._insert(state, np.full((b,), b, np.int32), new)
+      for mode in modes:
+        run = functools.partial(loop.run_steps, self.config, self.params,
+                                eos_ids=self.eos_ids, mask_token_id=np.int32(self.mask_token_id),
+                                mode=mode, runtime=self.runtime, mesh=self.mesh)
+        for w in windows:
+          for width in {w} | {min(p, self.prefill_chunk) for p in widths if p > w}:
+            state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
+                        real_slots=width, window=w)
+      got = loop.harvest(state, np.zeros((b,), np.int32), width=self.harvest_width)
+      state = loop.stop(state, np.zeros((b,), bool), np.zeros((b,), np.int32), mesh=self.mesh)
+      for other in self.buckets:
+        jax.block_until_ready(self._regroup(state, np.arange(other, dtype=np.int32)))
+      jax.block_until_ready((got, state))
 
   def stream(self) -> Iterator[Update]:
     """Steps until every submitted request is done, yielding the updates."""
@@ -416,3 +514,10 @@ class Server:
     for _ in self.stream():
       pass
     return self.completed
+
+
+@dataclasses.dataclass
+class _Stream:
+  """A running request's tokens so far and the forwards it took part in."""
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  forwards: int = 0

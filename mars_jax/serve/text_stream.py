@@ -41,18 +41,26 @@ class TextStream:
   """The text deltas of one request (see the module doc)."""
 
   def __init__(self, tokenizer, stops: Sequence[str] = (), end_ids: Sequence[int] = ()):
-    self.tokenizer, self.stops, self.end_ids = tokenizer, tuple(stops), set(end_ids)
-    self.tokens: list[int] = []
+    self.stops, self.end_ids = tuple(stops), set(end_ids)
+    self.text = stop_strings.Detokenizer(tokenizer)
+    self.ended = False
     self.sent = ""
 
   def push(self, tokens: Sequence[int]) -> str:
     """New tokens -> the text that may be sent now ("" when nothing new is safe). An end
     token (EOS or stop id: `end_ids`) ends the tokens, and its text is never sent."""
-    self.tokens += list(tokens)
-    body = self.tokens[:-1] if self.tokens and self.tokens[-1] in self.end_ids else self.tokens
-    text = stop_strings.cut(stop_strings.decode(self.tokenizer, body), self.stops)
-    safe = text[:len(text) - held_back(text, self.stops)]
-    if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+    tokens = list(tokens)
+    if self.ended or not tokens:
+      return ""
+    if tokens[-1] in self.end_ids:
+      tokens, self.ended = tokens[:-1], True
+    new = len(self.text.push(tokens))
+    text = self.text.text
+    if self.stops and new:
+      start = max(len(self.sent) - max(map(len, self.stops)) + 1, 0)
+      text = text[:start] + stop_strings.cut(text[start:], self.stops)
+    safe = text[:len(text) - held_back(text[len(self.sent):], self.stops)]
+    if len(safe) <= len(self.sent):
       return ""
     delta, self.sent = safe[len(self.sent):], safe
     return delta

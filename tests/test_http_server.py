@@ -4,12 +4,14 @@ with the real Qwen2.5 vocabulary and chat template; the official `openai` packag
 HTTP (httpx) for what a client library would not send, and lm-eval's
 `local-chat-completions` model.
 
-Sampled requests here use temperature alone: top-k and top-p sort the 151936 logits of
-every slot, which XLA's CPU backend does in about 2 s per step at 8 rows x 5 slots
-(tests/test_sampled_decoding.py covers the cut).
+Sampled requests here use temperature alone (tests/test_sampled_decoding.py covers
+the top-k/top-p cut).
 
 The server runs 8 rows, W in {1, 3} for "auto" and windows up to 3 per request, so one
-batch mixes every kind of request (a round runs at W = 1 or 3: few compilations). The last test stops it with SIGTERM.
+batch mixes every kind of request (a round runs at W = 1 or 3: few compilations). It
+compiles them all before it says it is ready, and nothing after. The last test of the
+shared server stops it with SIGTERM. A second server, on the same compilation cache,
+has a fault injected into its third round and a queue of one: the failure modes.
 """
 
 import asyncio
@@ -36,25 +38,31 @@ PROMPTS = ["Tell me a story.", "What is 2+3?", "List three colours:", "Bonjour, 
 
 
 class Live:
-  def __init__(self, path, tmp, *extra_args):
+  def __init__(self, path, tmp, *extra_args, env=None, name="server"):
     self.path, self.port = path, free_port()
     self.url = f"http://127.0.0.1:{self.port}"
-    self.log = open(tmp / "server.log", "w+")
+    self.log = open(tmp / f"{name}.log", "w+")
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "mars_jax.serve", "--model", path, "--port", str(self.port),
          "--served-model-name", NAME, "--batch-size", "8", "--min-batch-size", "8",
          "--windows", "1,3", "--max-window", "3", "--max-len", "160",
          "--shutdown-timeout", "60", "--log-level", os.environ.get("MARS_SERVE_LOG", "warning"),
          *extra_args],
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}, cwd=ROOT,
-        stdout=self.log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+             "MARS_JAX_COMPILATION_CACHE": str(tmp.parent / "jax_cache"), **(env or {})},
+        cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+    self.starting = []   # the bodies /health answered before the server was ready
+    deadline = time.time() + 900   # warmup compiles every variant (a shared cache helps)
     while time.time() < deadline:
       if self.proc.poll() is not None:
         raise AssertionError(f"the server exited ({self.proc.returncode}):\n{self.output()}")
       try:
-        if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+        r = httpx.get(f"{self.url}/health", timeout=2)
+        if r.status_code == 200:
+          self.health = r.json()
           return
+        assert r.status_code == 503, r.text
+        self.starting.append(r.json())
       except httpx.TransportError:
         pass
       time.sleep(0.5)
@@ -127,8 +135,14 @@ def chat(client, content, *, stream=False, **kw):
 
 
 def test_models_health_and_a_chat_reply(live):
+  assert all(b == {"status": "starting"} for b in live.starting), live.starting
+  assert live.health["status"] == "ok" and live.health["startup_s"] > 0
   client = live.client()
-  assert [m.id for m in client.models.list().data] == [NAME]
+  models = client.models.list().data
+  assert [m.id for m in models] == [NAME]
+  # Requests that leave sampling out get the model's generation_config.json values.
+  assert models[0].model_extra["sampling_defaults"] == {"temperature": 0.7, "top_p": 0.8,
+                                                        "top_k": 20}
   text, reason, use = chat(client, PROMPTS[0], max_tokens=12)
   assert reason in ("stop", "length") and isinstance(text, str)
   assert use.prompt_tokens > 0 and 1 <= use.completion_tokens <= 12
@@ -301,6 +315,12 @@ def test_lm_eval_chat_completions_scores_as_the_in_process_backend(live, tmp_pat
   assert remote["exact_match,final-number"] == local["exact_match,final-number"]
 
 
+def test_nothing_compiles_after_ready(live):
+  """Every request kind above (windows, modes, sampling, stops, prompt lengths) ran on
+  programs warmup compiled."""
+  assert live.metrics()["mars_compiles_after_ready_total"] == 0, live.output()
+
+
 def test_sigterm_finishes_the_stream_in_flight_then_exits(live):
   body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0,
           "stream": True, "window": 1}
@@ -322,3 +342,136 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits(live):
   assert json.loads(seen[-2])["choices"][0]["finish_reason"] == "length"
   with pytest.raises(httpx.TransportError):
     httpx.get(f"{live.url}/health", timeout=5)
+
+
+@pytest.fixture(scope="module")
+def faulty(live, tmp_path_factory):
+  """A second server on the same model and compilation cache: its third round raises,
+  every round takes 0.2 s more (requests stay in flight for seconds), one request may
+  wait for a row, and shutdown gives requests 3 s."""
+  tmp = tmp_path_factory.mktemp("faulty")
+  server = Live(live.path, tmp, "--max-queued", "1", "--shutdown-timeout", "3",
+                env={"MARS_JAX_SERVE_FAIL_ROUNDS": "3", "MARS_JAX_SERVE_ROUND_DELAY_S": "0.2"},
+                name="faulty")
+  yield server
+  if server.proc.poll() is None:
+    server.proc.kill()
+    server.proc.wait(60)
+  server.log.close()
+
+
+def _post_all(url: str, bodies: list[dict], timeout: float = 300) -> list[httpx.Response]:
+  """The bodies POSTed to /v1/completions all at once -> their responses."""
+  async def run():
+    async with httpx.AsyncClient(timeout=timeout,
+                                 limits=httpx.Limits(max_connections=len(bodies))) as http:
+      return await asyncio.gather(*(http.post(f"{url}/v1/completions", json=b)
+                                    for b in bodies))
+  return asyncio.run(run())
+
+
+def _long(i: int, max_tokens: int = 140) -> dict:
+  return {"model": NAME, "prompt": PROMPTS[i % 4], "max_tokens": max_tokens,
+          "temperature": 0, "window": 1}
+
+
+def _wait_for(live, name: str, value: float, timeout: float = 60) -> None:
+  deadline = time.time() + timeout
+  while live.metrics()[name] != value:
+    assert time.time() < deadline, (name, live.metrics()[name], value, live.output())
+    time.sleep(0.1)
+
+
+def test_a_failed_round_fails_only_its_requests_and_the_engine_goes_on(faulty):
+  # 9 requests for 8 rows: round 3 raises while 8 run; the one waiting for a row is
+  # not in it and is answered in full after the engine reset.
+  responses = _post_all(faulty.url, [_long(i, 40) for i in range(9)])
+  codes = sorted(r.status_code for r in responses)
+  failed = [r for r in responses if r.status_code == 500]
+  assert failed and 200 in codes and set(codes) == {200, 500}, codes
+  for r in failed:
+    assert "decoding failed" in r.json()["error"]["message"]
+  for r in responses:
+    if r.status_code == 200:
+      assert r.json()["usage"]["completion_tokens"] == 40
+  m = faulty.metrics()
+  assert m["mars_rounds_failed_total"] == 1 and m["mars_requests_failed_total"] == len(failed)
+  health = httpx.get(f"{faulty.url}/health", timeout=10).json()
+  assert health["status"] == "ok" and health["failed_rounds"] == 1
+  assert "round 3 failed" in health["last_failure"]
+  assert complete(faulty.client(), PROMPTS[0], max_tokens=5)[1] == "length"
+
+
+def test_a_flood_past_the_queue_is_answered_503_with_retry_after(faulty):
+  rejected = faulty.metrics()["mars_requests_rejected_total"]
+  responses = _post_all(faulty.url, [_long(i, 60) for i in range(24)])
+  busy = [r for r in responses if r.status_code == 503]
+  assert len(busy) >= 24 - 8 - 1 - 4, [r.status_code for r in responses]
+  for r in busy:
+    assert r.headers["Retry-After"] == "1" and "--max-queued" in r.json()["error"]["message"]
+  assert all(r.json()["usage"]["completion_tokens"] == 60 for r in responses
+             if r.status_code == 200)
+  assert {r.status_code for r in responses} == {200, 503}
+  assert faulty.metrics()["mars_requests_rejected_total"] == rejected + len(busy)
+
+
+def test_clients_gone_while_queued_or_before_their_first_chunk_free_their_rows(faulty):
+  """8 long requests hold every row; a ninth waits for one and its client gives up, then
+  a streamed one whose client leaves before reading: both are cancelled, and the rows
+  are free once the 8 finish."""
+  cancelled = faulty.metrics()["mars_requests_cancelled_total"]
+  holders = threading.Thread(target=_post_all, args=(faulty.url,
+                                                     [_long(i) for i in range(8)]))
+  holders.start()
+  _wait_for(faulty, "mars_requests_running", 8)
+  with pytest.raises(httpx.ReadTimeout):   # queued: no row is free before it gives up
+    httpx.post(f"{faulty.url}/v1/completions", json=_long(0), timeout=1.5)
+  _wait_for(faulty, "mars_requests_cancelled_total", cancelled + 1)
+  assert faulty.metrics()["mars_requests_queued"] == 0
+  holders.join(300)
+  with httpx.Client(timeout=60) as http:   # streamed: leaves before its first chunk
+    with http.stream("POST", f"{faulty.url}/v1/completions",
+                     json={**_long(1), "stream": True}) as r:
+      assert r.status_code == 200
+  _wait_for(faulty, "mars_requests_cancelled_total", cancelled + 2)
+  _wait_for(faulty, "mars_requests_running", 0)
+
+
+def test_shutdown_answers_every_request_it_accepted(faulty):
+  """SIGTERM while 8 long requests run (18 rounds of 0.2 s each, past the 3 s the
+  shutdown gives them) and a client keeps sending: the 8 get whole answers (503 with an
+  error body once the time is up), the late ones 503 or a closed socket; none hangs."""
+  held, late, stop = [], [], threading.Event()
+
+  def holder(i):
+    try:
+      held.append(httpx.post(f"{faulty.url}/v1/completions", json=_long(i), timeout=120))
+    except httpx.HTTPError as e:
+      held.append(type(e).__name__)
+
+  def racer():
+    while not stop.is_set():
+      try:
+        late.append(httpx.post(f"{faulty.url}/v1/completions", json=_long(0),
+                               timeout=120).status_code)
+      except (httpx.ConnectError, httpx.RemoteProtocolError):
+        late.append("closed")   # the listening socket, or an unread connection, closed
+        return
+  threads = [threading.Thread(target=holder, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  _wait_for(faulty, "mars_requests_running", 8)
+  threads.append(threading.Thread(target=racer))
+  threads[-1].start()
+  faulty.proc.send_signal(signal.SIGTERM)
+  assert faulty.proc.wait(120) == 0, faulty.output()
+  stop.set()
+  for t in threads:
+    t.join(120)
+  assert not any(t.is_alive() for t in threads)
+  assert all(isinstance(r, httpx.Response) for r in held), held
+  assert {r.status_code for r in held} <= {200, 503} and any(r.status_code == 503
+                                                            for r in held)
+  for r in held:
+    assert r.status_code == 200 or "shut down" in r.json()["error"]["message"]
+  assert set(late) <= {503, "closed"}, late

@@ -48,7 +48,7 @@ def progress(state: DecodeState) -> Progress:
 
 def dispatch(config: Qwen2Config, params, state: DecodeState, policy: Policy, *, active: int,
              eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
-             real_slots: int = 0, wide_steps: int = 1,
+             real_slots: int = 0, wide_steps: int = 1, wide_window: int | None = None,
              stop_on_finish: bool = False, steps: int | None = None, min_window: int = 1,
              runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None
              ) -> tuple[DecodeState, int]:
@@ -56,7 +56,8 @@ def dispatch(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
   batch and `active` live rows (the policy's, or min_window when larger: rows that
   fixed their own window), then `steps` steps (`policy.round_steps` by default; the
   first `wide_steps` of them `real_slots` wide when that exceeds W, to prefill new
-  rows). -> (new state, W)."""
+  rows, at W = wide_window when given: a fixed one keeps the compiled prefill variants
+  from multiplying with the windows). -> (new state, W)."""
   b, cache_len = state.seq.shape
   window = max(policy.choose(b, cache_len, active, measure), min_window)
   call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
@@ -65,7 +66,7 @@ def dispatch(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
   steps = steps or policy.round_steps
   if real_slots > window:
     state = call(state=state, max_steps=np.int32(wide_steps), stop_on_finish=np.bool_(False),
-                 real_slots=real_slots, window=window)
+                 real_slots=real_slots, window=wide_window or window)
     steps -= wide_steps
   if steps > 0:
     state = call(state=state, max_steps=np.int32(steps),

@@ -4,13 +4,25 @@
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model": "NAME", "messages": [{"role": "user", "content": "2+3?"}]}'
 
-One decoding loop owns the device (`mars_jax.serve.engine`): requests join free rows
-of the running batch between rounds, each with its own tau, window, gate and mode (body
-fields; their defaults here). --window auto (the default) picks W every round from the
-live batch (`WindowPolicy` over --windows), measuring each compiled shape's step cost
-once per process (or reading --cost-table). SIGTERM or Ctrl-C stops admitting, lets
-in-flight requests finish for up to --shutdown-timeout seconds, then cancels the rest
-and exits.
+Two processes: this one serves HTTP (uvicorn with uvloop and httptools: parsing, chat
+templates, tokenizing, streaming text), and an engine process owns the device and runs
+the decoding loop (`mars_jax.serve.engine`); one batched message each way per round.
+Requests join free rows of the running batch between rounds, each with its own tau,
+window, gate and mode (body fields; their defaults here). --window auto (the default)
+picks W every round from the live batch (`WindowPolicy` over --windows).
+
+--warmup (the default) compiles every batch, prompt and window variant the server can
+meet before it says it is ready, and times each batch's windows for --window auto
+(or reads --cost-table); compiled programs go to JAX's persistent compilation cache
+(--compilation-cache), so a second start loads them. GET /health answers 503 until
+then, and 200 with the start-up seconds after.
+
+Requests that leave out temperature, top_p or top_k get the model's
+generation_config.json values (--generation-config auto; "none": the OpenAI API's
+defaults, temperature 1); /v1/models and the start-up log say which. Past
+--max-queued requests waiting for a row, new ones are answered 503 with Retry-After.
+SIGTERM or Ctrl-C stops admitting (503), lets in-flight requests finish for up to
+--shutdown-timeout seconds, answers the rest 503, and exits.
 
 --drafter DRAFT serves the model's AR output with a second model drafting for it
 (mars_jax.decoding.speculative): up to --draft-window K tokens a round, verified in one
@@ -26,7 +38,9 @@ import logging
 import os
 import signal
 
-from mars_jax import choices
+log = logging.getLogger("mars_jax.serve")
+
+from mars_jax import checkpoint, choices, hf
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import WindowPolicy
@@ -75,6 +89,18 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", default=None, help="decode on a mesh, e.g. tensor=8 (see generate)")
   p.add_argument("--shutdown-timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM")
+  p.add_argument("--max-queued", type=int, default=256,
+                 help="requests that may wait for a row; past it, 503 with Retry-After")
+  p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                 help="compile every variant before answering /health 200 (default: on)")
+  p.add_argument("--warmup-prompt-len", type=int, default=None,
+                 help="the longest prompt warmup compiles for (default: --max-len - 1)")
+  p.add_argument("--compilation-cache", default=None,
+                 help="JAX's persistent compilation cache directory ('none': off; default: "
+                      "$MARS_JAX_COMPILATION_CACHE, else ~/.cache/mars_jax/jax)")
+  p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                 help="auto: requests that leave out temperature, top_p or top_k get the "
+                      "model's generation_config.json values; none: the OpenAI defaults")
   p.add_argument("--drafter", default=None,
                  help="a drafter model (HF directory or run) with the model's tokenizer")
   p.add_argument("--draft-window", type=int, default=4,
@@ -95,10 +121,20 @@ def default_windows(path: str) -> list[int]:
   return sorted({w for w in DEFAULT_WINDOWS if w <= block + 1} | {block + 1})
 
 
-def build(args):
-  """-> (engine, app) for parsed arguments (the model loaded, nothing started)."""
-  from mars_jax.serve.app import create_app
-  from mars_jax.serve.engine import Engine
+def generation_defaults(path: str) -> dict:
+  """temperature, top_p and top_k of the model's generation_config.json (an HF
+  directory's, or a run's tokenizer directory's); temperature 0 when it says
+  do_sample false; {} when it has none."""
+  where = path if os.path.isfile(os.path.join(path, "config.json")) else (
+      checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0]))
+  record = hf.read_generation_config(where) or {}
+  if record.get("do_sample") is False:
+    return {"temperature": 0.0}
+  return {k: record[k] for k in ("temperature", "top_p", "top_k") if record.get(k) is not None}
+
+
+def build_server(args):
+  """-> (Server, LoadedModel) for parsed arguments: what the engine process serves."""
   from mars_jax.serve.server import Server
 
   windows = (sorted({int(w) for w in args.windows.split(",")}) if args.windows
@@ -126,10 +162,29 @@ def build(args):
       mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
       round_steps=args.round_steps, max_window=max_window, drafter=drafter,
       draft_window=args.draft_window)
-  engine = Engine(server)
-  name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-  return engine, create_app(engine, model_name=name, tokenizer=model.tokenizer,
-                            eos_token_ids=model.eos_token_ids)
+  return server, model
+
+
+class _Uvicorn:
+  """uvicorn's server, telling the engine when shutdown begins: it stops admitting, and
+  answers what is still open (503) a second before --shutdown-timeout runs out."""
+
+  def __init__(self, config, engine, timeout: float):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+      def handle_exit(self, sig, frame):
+        engine.admitting = False
+        loop = engine.loop
+        if loop is not None:
+          loop.call_soon_threadsafe(loop.call_later, max(timeout - 1.0, 0.0),
+                                    engine.answer_all,
+                                    "the server shut down before the request finished.", 503)
+        super().handle_exit(sig, frame)
+    self.server = Server(config)
+
+  def run(self) -> None:
+    self.server.run()
 
 
 def main(argv=None) -> None:
@@ -139,21 +194,40 @@ def main(argv=None) -> None:
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
   if args.window != "auto" and not args.window.isdigit():
     p.error(f"--window={args.window!r}; expected 'auto' or an int >= 1.")
+  if not os.path.exists(args.model):
+    p.exit(2, f"{p.prog}: error: --model {args.model}: no such file or directory\n")
+  if args.max_queued < 0:
+    p.error(f"--max-queued={args.max_queued}; it must be >= 0.")
   try:
-    engine, app = build(args)
+    defaults = generation_defaults(args.model) if args.generation_config == "auto" else {}
   except (ValueError, FileNotFoundError) as e:
     p.exit(2, f"{p.prog}: error: {e}\n")
   import uvicorn
+  from mars_jax.serve.app import create_app
+  from mars_jax.serve.engine import Engine
+
+  log.info("requests that leave them out get %s", defaults or "the OpenAI API's sampling "
+           "defaults (temperature 1)")
+  engine = Engine(args)
+  name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+  app = create_app(engine, model_name=name, max_queued=args.max_queued,
+                   sampling_defaults=defaults)
   # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for
   # the handler it found: a no-op here, so the process ends by returning (exit status 0)
-  # after the cost table is saved.
+  # after the engine has stopped.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
-  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-              timeout_graceful_shutdown=args.shutdown_timeout)
-  policy = engine.server.policy
-  if args.cost_table and isinstance(policy, WindowPolicy):
-    policy.costs.save(args.cost_table)
+  config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          loop="uvloop", http="httptools",
+                          timeout_graceful_shutdown=args.shutdown_timeout)
+  server = _Uvicorn(config, engine, args.shutdown_timeout)
+  engine.on_failure = lambda: setattr(server.server, "should_exit", True)
+  try:
+    server.run()
+  finally:
+    engine.close()
+  if engine.failure is not None and engine.ready is None:
+    p.exit(2, f"{p.prog}: error: {engine.failure}\n")
 
 
 if __name__ == "__main__":

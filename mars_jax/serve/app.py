@@ -1,18 +1,26 @@
-"""The OpenAI-compatible HTTP API over an `Engine` (FastAPI; run by uvicorn in
+"""The OpenAI-compatible HTTP API over the engine process (FastAPI; run by uvicorn in
 `python -m mars_jax.serve`).
 
-  GET  /health               200 {"status": "ok"} while the engine thread runs
-  GET  /v1/models            the one model served
+  GET  /health               200 {"status": "ok", "startup_s": ...} once the engine is
+                             warm; 503 {"status": "starting"} before, 503 with the reason
+                             when its process ended
+  GET  /v1/models            the one model served, with its context and the sampling
+                             defaults requests get (the model's generation config)
   POST /v1/completions       a text prompt (or token ids) -> text
   POST /v1/chat/completions  messages, in the model's own chat template -> a reply
   GET  /metrics              Prometheus text: requests, tokens, forwards, tokens per
-                             forward, running and queued requests, the window in use
+                             forward, running and queued requests, the window in use,
+                             failed rounds, compiles after ready
 
 Both POST endpoints stream (server-sent events of OpenAI chunks, then `data: [DONE]`)
 when "stream" is true. A bad request is answered 400 with an OpenAI error body naming
-the field (`mars_jax.serve.protocol`) and never reaches the engine. A streaming client
-that goes away cancels its request, which frees its row at the next round; a
-non-streamed one is checked for a disconnect every `DISCONNECT_POLL_S` while it waits.
+the field (`mars_jax.serve.protocol`); the engine's own refusals come back as 400 too.
+Past `max_queued` requests waiting for a row, a request is answered 503 with
+Retry-After at once. A client that goes away (queued, prefilling or streaming) cancels
+its request, which frees its row at the next round: streamed responses cancel when they
+end however they end; a non-streamed one is checked every `DISCONNECT_POLL_S`. A
+round that fails answers its requests 500; after shutdown begins, new requests get 503
+and the ones still open are answered 503 before the connections close.
 """
 
 from __future__ import annotations
@@ -21,24 +29,19 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from mars_jax.loading import chat_prompt_ids
 from mars_jax.serve import protocol
-from mars_jax.serve.engine import Done, Engine, Error, Handle, Tokens
+from mars_jax.serve.engine import Accepted, Done, Engine, Error, Handle, Loaded, Tokens
 from mars_jax.serve.protocol import RequestError, Spec
 from mars_jax.serve.text_stream import TextStream
 
 DISCONNECT_POLL_S = 0.5
-
-
-def context_room(engine: Engine) -> int:
-  """The most prompt + generated tokens one request may hold."""
-  server = engine.server
-  return min(server.max_len - server.extra_slots, server.config.max_position_embeddings)
+RETRY_AFTER_S = 1
 
 
 def encode(tokenizer, spec: Spec) -> list[int]:
@@ -57,23 +60,23 @@ def encode(tokenizer, spec: Spec) -> list[int]:
   return ids
 
 
-def submit_kwargs(engine: Engine, spec: Spec, prompt: list[int]) -> dict:
-  """`Server.submit`'s arguments for a checked request; RequestError on a prompt or
-  budget that does not fit, or a window above the server's."""
+def submit_kwargs(facts: Loaded, spec: Spec, prompt: list[int]) -> dict:
+  """`Server.submit`'s arguments for a checked request (sampling defaults applied);
+  RequestError on a prompt or budget that does not fit, or a window above the
+  server's."""
   field = "messages" if spec.chat else "prompt"
-  room = context_room(engine) - len(prompt)
+  room = facts.context_room - len(prompt)
   if room < 1:
     raise RequestError(f"the prompt has {len(prompt)} tokens; this server holds at most "
-                       f"{context_room(engine)} tokens per request, prompt and completion "
+                       f"{facts.context_room} tokens per request, prompt and completion "
                        "together. Shorten the prompt.", field)
   if spec.max_tokens is not None and spec.max_tokens > room:
     raise RequestError(f"max_tokens={spec.max_tokens}, but the prompt's {len(prompt)} "
                        f"tokens leave room for {room} (this server holds "
-                       f"{context_room(engine)} per request).", "max_tokens")
-  if spec.window != "auto" and not 1 <= spec.window <= engine.server.max_window:
+                       f"{facts.context_room} per request).", "max_tokens")
+  if spec.window != "auto" and not 1 <= spec.window <= facts.max_window:
     raise RequestError(f"'window'={spec.window} is out of range; it must be 'auto' or in "
-                       f"[1, {engine.server.max_window}] (the server's --max-window).",
-                       "window")
+                       f"[1, {facts.max_window}] (the server's --max-window).", "window")
   return dict(max_new_tokens=spec.max_tokens or room, tau=spec.tau, metric=spec.gate,
               temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
               seed=spec.seed, stop=list(spec.stop) or None,
@@ -84,7 +87,7 @@ def sse(data: dict | str) -> str:
   return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def metrics_text(engine: Engine, model_name: str) -> str:
+def metrics_text(engine: Engine, model_name: str, drafter: bool) -> str:
   """The engine's counters in the Prometheus text format."""
   m = engine.metrics
   label = f'model="{model_name}"'
@@ -101,6 +104,10 @@ def metrics_text(engine: Engine, model_name: str) -> str:
          [(label, m.cancelled)])
   metric("requests_failed_total", "counter", "Requests a failed round ended.",
          [(label, m.failed)])
+  metric("rounds_failed_total", "counter", "Rounds that raised (the engine reset and went "
+         "on).", [(label, m.failed_rounds)])
+  metric("requests_rejected_total", "counter", "Requests answered 503 at once: the queue "
+         "was full (--max-queued).", [(label, engine.rejected)])
   metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [(label, m.prompt_tokens)])
   metric("generation_tokens_total", "counter", "Tokens generated by finished requests.",
          [(label, m.generated_tokens)])
@@ -111,7 +118,7 @@ def metrics_text(engine: Engine, model_name: str) -> str:
          [(label, round(m.generated_tokens / max(m.request_forwards, 1), 4))])
   metric("batch_forwards_total", "counter", "Forwards run for the whole batch.",
          [(label, m.steps)])
-  if engine.server.drafter is not None:
+  if drafter:
     metric("drafter_forwards_total", "counter",
            "Drafter forwards the finished requests drafted in (summed over requests).",
            [(label, m.drafter_forwards)])
@@ -121,42 +128,82 @@ def metrics_text(engine: Engine, model_name: str) -> str:
   metric("window", "gauge", "Proposals per forward W of the last round.", [(label, m.window)])
   metric("batch_rows", "gauge", "Rows of the compiled batch of the last round.",
          [(label, m.batch)])
+  metric("compiles_after_ready_total", "counter",
+         "XLA programs lowered after the server said it was ready.",
+         [(label, m.compiles_after_ready)])
   return "\n".join(lines) + "\n"
 
 
-def create_app(engine: Engine, *, model_name: str, tokenizer, eos_token_ids) -> FastAPI:
-  """The API over `engine` (started and stopped with the app's lifespan)."""
+class _Streamed(StreamingResponse):
+  """A streamed response that runs `on_end` however it ends (done, client gone, error),
+  even when its body never started."""
+
+  def __init__(self, content, on_end: Callable[[], None]):
+    super().__init__(content, media_type="text/event-stream")
+    self.on_end = on_end
+
+  async def __call__(self, scope, receive, send):
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.on_end()
+
+
+def create_app(engine: Engine, *, model_name: str, max_queued: int,
+               sampling_defaults: dict) -> FastAPI:
+  """The API over `engine` (started and stopped with the app's lifespan).
+  max_queued: requests that may wait for a row beyond the batch's rows;
+  sampling_defaults: temperature, top_p, top_k for requests that leave them out."""
   created = int(time.time())
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
     engine.start()
-    try:
-      yield
-    finally:
-      await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+    yield
+    await engine.stop()
 
   app = FastAPI(title="mars_jax", lifespan=lifespan)
 
   @app.exception_handler(RequestError)
   async def request_error(request, e: RequestError):
-    return JSONResponse(protocol.error_body(str(e), e.param, e.kind), status_code=e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return JSONResponse(protocol.error_body(str(e), e.param, e.kind), status_code=e.status,
+                        headers=headers)
+
+  def facts() -> Loaded:
+    if engine.failure is not None:
+      raise RequestError(f"the engine stopped: {engine.failure}", status=500,
+                         kind="server_error")
+    if engine.ready is None or not engine.loaded.done():
+      raise RequestError("the server is starting (compiling); retry shortly.", status=503,
+                         kind="server_error")
+    return engine.loaded.result()
 
   @app.get("/health")
   async def health():
-    if not engine.alive:
-      return JSONResponse({"status": "stopped"}, status_code=503)
-    return {"status": "ok"}
+    if engine.failure is not None:
+      return JSONResponse({"status": "stopped", "reason": engine.failure}, status_code=503)
+    if engine.ready is None:
+      return JSONResponse({"status": "starting"}, status_code=503)
+    if not engine.admitting:
+      return JSONResponse({"status": "shutting down"}, status_code=503)
+    return {"status": "ok", "startup_s": round(engine.ready.startup_s, 2),
+            "warmup_s": round(engine.ready.warmup_s, 2),
+            "failed_rounds": engine.metrics.failed_rounds,
+            "last_failure": engine.metrics.last_failure or None}
 
   @app.get("/v1/models")
   async def models():
+    room = engine.loaded.result().context_room if engine.loaded.done() else None
     return {"object": "list", "data": [{"id": model_name, "object": "model",
                                         "created": created, "owned_by": "mars_jax",
-                                        "max_model_len": context_room(engine)}]}
+                                        "max_model_len": room,
+                                        "sampling_defaults": sampling_defaults}]}
 
   @app.get("/metrics")
   async def metrics():
-    return PlainTextResponse(metrics_text(engine, model_name),
+    drafter = engine.loaded.done() and engine.loaded.result().drafter
+    return PlainTextResponse(metrics_text(engine, model_name, drafter),
                              media_type="text/plain; version=0.0.4")
 
   async def body_of(request: Request):
@@ -166,20 +213,37 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, eos_token_ids) -> 
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise RequestError(f"the request body is not valid JSON: {e}.") from e
 
-  async def start(spec: Spec) -> Handle:
-    prompt = encode(tokenizer, spec)
-    kwargs = submit_kwargs(engine, spec, prompt)
+  async def start(request: Request, spec: Spec) -> tuple[Handle, Loaded]:
+    """Submits the request and waits for the engine to take it (a round at most) ->
+    its handle; RequestError when it is refused."""
+    known = facts()
+    waiting = len(engine.handles) - known.max_batch
+    if waiting >= max_queued:
+      engine.rejected += 1
+      raise RequestError(f"{waiting} requests are waiting for a row (--max-queued "
+                         f"{max_queued}); retry later.", status=503, kind="server_error")
+    prompt = encode(known.tokenizer, spec)
     try:
-      return await engine.submit(prompt, **kwargs)
-    except ValueError as e:
-      raise RequestError(str(e)) from e
+      handle = engine.submit(prompt, **submit_kwargs(known, spec, prompt))
     except RuntimeError as e:
       raise RequestError(str(e), status=503, kind="server_error") from e
+    try:
+      event = await handle.__anext__()
+    except BaseException:
+      engine.cancel(handle)
+      raise
+    if isinstance(event, Error):
+      raise RequestError(event.message, status=event.status,
+                         kind="invalid_request_error" if event.status == 400
+                         else "server_error")
+    assert isinstance(event, Accepted), event
+    return handle, known
 
   async def answer(request: Request, spec: Spec):
-    handle = await start(spec)
+    spec = protocol.with_defaults(spec, sampling_defaults)
+    handle, known = await start(request, spec)
     if spec.stream:
-      return StreamingResponse(stream(spec, handle), media_type="text/event-stream")
+      return _Streamed(stream(spec, handle, known), lambda: engine.cancel(handle))
     try:
       while True:
         try:
@@ -190,42 +254,39 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, eos_token_ids) -> 
           continue
         if isinstance(event, Error):
           return JSONResponse(protocol.error_body(event.message, kind="server_error"),
-                              status_code=500)
+                              status_code=event.status)
         if isinstance(event, Done):
           c = event.completion
-          return protocol.completion_response(
-              spec, c.text, c.finish_reason,
-              usage(handle.prompt_len, c))
+          return protocol.completion_response(spec, c.text, c.finish_reason,
+                                              usage(handle.prompt_len, c, known))
     finally:
       engine.cancel(handle)
 
-  def usage(prompt_len: int, c) -> dict:
+  def usage(prompt_len: int, c, known: Loaded) -> dict:
     return protocol.usage(prompt_len, len(c.tokens), c.forwards,
-                          c.drafter_forwards if engine.server.drafter is not None else None)
+                          c.drafter_forwards if known.drafter else None)
 
-  async def stream(spec: Spec, handle: Handle) -> AsyncIterator[str]:
-    text = TextStream(tokenizer, spec.stop, (*eos_token_ids, *spec.stop_token_ids))
-    try:
-      if spec.chat:
-        yield sse(protocol.chunk(spec, None, first=True))
-      async for event in handle:
-        if isinstance(event, Tokens):
-          delta = text.push(event.tokens)
-          if delta:
-            yield sse(protocol.chunk(spec, delta))
-        elif isinstance(event, Done):
-          c = event.completion
-          rest = text.finish(c.text)
-          if rest:
-            yield sse(protocol.chunk(spec, rest))
-          yield sse(protocol.chunk(spec, None, c.finish_reason))
-          if spec.include_usage:
-            yield sse(protocol.chunk(spec, None, use=usage(handle.prompt_len, c)))
-        else:
-          yield sse(protocol.error_body(event.message, kind="server_error"))
-      yield sse("[DONE]")
-    finally:
-      engine.cancel(handle)
+  async def stream(spec: Spec, handle: Handle, known: Loaded) -> AsyncIterator[str]:
+    text = TextStream(known.tokenizer, spec.stop,
+                      (*known.eos_token_ids, *spec.stop_token_ids))
+    if spec.chat:
+      yield sse(protocol.chunk(spec, None, first=True))
+    async for event in handle:
+      if isinstance(event, Tokens):
+        delta = text.push(event.tokens)
+        if delta:
+          yield sse(protocol.chunk(spec, delta))
+      elif isinstance(event, Done):
+        c = event.completion
+        rest = text.finish(c.text)
+        if rest:
+          yield sse(protocol.chunk(spec, rest))
+        yield sse(protocol.chunk(spec, None, c.finish_reason))
+        if spec.include_usage:
+          yield sse(protocol.chunk(spec, None, use=usage(handle.prompt_len, c, known)))
+      else:
+        yield sse(protocol.error_body(event.message, kind="server_error"))
+    yield sse("[DONE]")
 
   @app.post("/v1/completions")
   async def completions(request: Request):

@@ -1,35 +1,64 @@
-"""One thread owns the device: it runs `Server.step` round after round and hands each
-request's tokens to the asyncio side as they are committed.
+"""The engine process: it owns the device and runs `Server.step` round after round; the
+HTTP process (`mars_jax.serve.app`) talks to it through a pipe, one batched message
+each way per round.
 
-  engine = Engine(server)
-  engine.start()
-  handle = await engine.submit(prompt_ids, max_new_tokens=64, window="auto")  # ValueError
-  async for event in handle:        # Tokens(...), then one Done(completion)
+  engine = Engine(args)             # the parsed `python -m mars_jax.serve` arguments
+  engine.start()                    # spawns the process (called in the event loop)
+  await engine.loaded               # facts: tokenizer, context room, windows, ...
+  handle = engine.submit(prompt_ids, max_new_tokens=64, window="auto")
+  async for event in handle:        # Accepted, then Tokens(...), then Done or Error
     ...
-  engine.cancel(handle)             # frees the row at the next round
-  engine.stop()                     # cancels what is left, joins the thread
+  engine.cancel(handle)             # frees its row at the next round
+  await engine.stop()               # answers what is left, ends the process
 
-Every call on the `Server` happens on the engine thread, between rounds: `submit` and
-`cancel` are posted to its inbox and taken before the next round, so a request waits
-at most one round to be admitted (it starts in a free row at once, or queues). The
-thread blocks on the inbox while the server is idle. A round that raises fails the
-requests in flight (each gets an `Error`) and the thread goes on serving.
+Why a process: the HTTP side (parsing, chat templates, tokenizing, detokenizing, SSE)
+and the decoding loop's host work (admission, harvest, stop strings) both hold the
+GIL; in one process each stalls the other, and the batch drains while requests wait
+in the event loop. Here each has its interpreter, and the only traffic is what a round
+changes: the HTTP side sends the submits and cancels gathered since its last message,
+the engine answers with every request's new tokens and finishes of the round.
+
+The engine process (`run`):
+  1. loads the model and builds the `Server` (`build_server`), sends `Loaded` facts
+     (the tokenizer among them);
+  2. with warmup on, compiles every variant the rounds can meet (`Server.warmup`),
+     through JAX's persistent compilation cache (`compilation_cache`), and sends
+     `Ready` with the start-up seconds; it counts compiles after that (JAX's lowering
+     events), which `/metrics` reports;
+  3. loops: takes every waiting command (blocking only while idle), submits and
+     cancels between rounds, runs a round, sends one `Round` message.
+A round that raises fails only the requests in it (an `Error` each, HTTP 500); the
+server is `reset` to a fresh state and goes on with the queue. Test hooks (environment
+variables): MARS_JAX_SERVE_FAIL_ROUNDS="3,7" makes those rounds raise;
+MARS_JAX_SERVE_ROUND_DELAY_S=0.2 sleeps that long after every round, so that requests
+stay in flight long enough for a test to act on them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
-import queue
+import multiprocessing as mp
+import os
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
-from mars_jax.serve.server import Completion, Server
-
 log = logging.getLogger(__name__)
+
+FAIL_ROUNDS_ENV = "MARS_JAX_SERVE_FAIL_ROUNDS"
+ROUND_DELAY_ENV = "MARS_JAX_SERVE_ROUND_DELAY_S"
+COMPILATION_CACHE_ENV = "MARS_JAX_COMPILATION_CACHE"
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+# -- messages: engine -> HTTP process ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Accepted:
+  """The engine queued the request."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,19 +68,234 @@ class Tokens:
 
 @dataclasses.dataclass(frozen=True)
 class Done:
-  completion: Completion
+  completion: Any   # a `server.Completion`
 
 
 @dataclasses.dataclass(frozen=True)
 class Error:
+  """The request ended without an answer: refused (status 400: what `Server.submit`
+  raised), failed (500: its round raised), or cancelled by a shutdown (503)."""
+  message: str
+  status: int = 500
+
+
+@dataclasses.dataclass
+class Metrics:
+  """Counters of the engine (read by `GET /metrics`)."""
+  requests: dict[str, int] = dataclasses.field(default_factory=dict)  # by finish reason
+  cancelled: int = 0
+  failed: int = 0
+  failed_rounds: int = 0
+  last_failure: str = ""
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  request_forwards: int = 0   # sum over requests of the forwards each took part in
+  drafter_forwards: int = 0   # likewise, the drafter forwards (a server with a drafter)
+  steps: int = 0              # forwards run for the batch
+  rounds: int = 0
+  running: int = 0
+  queued: int = 0
+  window: int = 0             # the W of the last round
+  batch: int = 0              # the batch bucket of the last round
+  compiles_after_ready: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  """What the HTTP side needs of the model: tokenizer, EOS ids, the most tokens one
+  request may hold (prompt + completion), the largest window a request may fix,
+  whether a drafter decodes, the batch rows."""
+  tokenizer: Any
+  eos_token_ids: tuple[int, ...]
+  context_room: int
+  max_window: int
+  drafter: bool
+  max_batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+  startup_s: float     # from the process start to ready
+  warmup_s: float      # of which compiling and timing the variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+  """One round's events [(request id, event)] and the counters after it."""
+  events: list[tuple[int, Any]]
+  metrics: Metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  """The engine could not start (the model did not load, warmup raised)."""
   message: str
 
 
-class Handle:
-  """A submitted request: its id, prompt length, and the events the engine posts."""
+# -- the engine process ------------------------------------------------------------------
 
-  def __init__(self, request_id: int, prompt_len: int, events: asyncio.Queue):
-    self.request_id, self.prompt_len, self.events = request_id, prompt_len, events
+def compilation_cache(directory: str | None) -> str | None:
+  """Turns on JAX's persistent compilation cache in `directory` (default:
+  $MARS_JAX_COMPILATION_CACHE, else ~/.cache/mars_jax/jax; "" or "none": off), every
+  compile cached however small -> the directory used."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if directory is None:
+    directory = os.environ.get(COMPILATION_CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "mars_jax", "jax")
+  if directory in ("", "none"):
+    return None
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return directory
+
+
+class _Core:
+  """The engine process's state: the server, the front end's request ids, counters."""
+
+  def __init__(self, server, conn: Connection):
+    self.server, self.conn = server, conn
+    self.metrics = Metrics()
+    self.ids: dict[int, int] = {}      # front end id -> server id
+    self.front: dict[int, int] = {}    # server id -> front end id
+    self.events: list[tuple[int, Any]] = []
+    self.fail_rounds = {int(r) for r in os.environ.get(FAIL_ROUNDS_ENV, "").split(",") if r}
+    self.delay_s = float(os.environ.get(ROUND_DELAY_ENV) or 0)
+
+  def take(self, command) -> bool:
+    """Carries out one command from the HTTP side; -> False on "stop"."""
+    kind = command[0]
+    if kind == "stop":
+      return False
+    if kind == "cancel":
+      rid = self.ids.pop(command[1], None)
+      if rid is not None and self.server.cancel(rid):
+        del self.front[rid]
+        self.metrics.cancelled += 1
+      return True
+    _, fid, prompt, kwargs = command
+    try:
+      rid = self.server.submit(prompt, **kwargs)
+    except ValueError as e:  # the request's own fault: HTTP 400
+      self.events.append((fid, Error(str(e), 400)))
+      return True
+    self.ids[fid], self.front[rid] = rid, fid
+    self.metrics.prompt_tokens += len(prompt)
+    self.events.append((fid, Accepted()))
+    return True
+
+  def round(self) -> None:
+    m, server = self.metrics, self.server
+    steps = server.steps
+    m.rounds += 1
+    if m.rounds in self.fail_rounds:
+      raise RuntimeError(f"round {m.rounds} failed ({FAIL_ROUNDS_ENV})")
+    updates = server.step()
+    m.steps += server.steps - steps
+    m.window, m.batch = server.window, len(server.slots)
+    for u in updates:
+      fid = self.front[u.request_id]
+      if u.tokens:
+        self.events.append((fid, Tokens(u.tokens)))
+      if u.done:
+        c = server.completed.pop(u.request_id)
+        m.requests[c.finish_reason] = m.requests.get(c.finish_reason, 0) + 1
+        m.generated_tokens += len(c.tokens)
+        m.request_forwards += c.forwards
+        m.drafter_forwards += c.drafter_forwards
+        del self.front[u.request_id], self.ids[fid]
+        self.events.append((fid, Done(c)))
+
+  def fail_round(self, error: BaseException) -> None:
+    """Fails the requests the round ran (its rows) and starts from a fresh state."""
+    log.exception("a decoding round failed; its requests fail, the engine goes on")
+    self.metrics.failed_rounds += 1
+    self.metrics.last_failure = f"{type(error).__name__}: {error}"
+    for rid in self.server.reset():
+      fid = self.front.pop(rid)
+      del self.ids[fid]
+      self.metrics.failed += 1
+      self.events.append((fid, Error(f"decoding failed: {self.metrics.last_failure}")))
+
+  def flush(self) -> None:
+    m, server = self.metrics, self.server
+    m.running, m.queued = server.active, len(server.queue)
+    if self.events:
+      self.conn.send(Round(self.events, m))
+      self.events = []
+
+  def serve(self) -> None:
+    """Rounds until "stop" (or the HTTP side is gone), then fails what is left."""
+    try:
+      while True:
+        if self.server.idle:
+          self.conn.poll(None)   # nothing to decode: wait for a command
+        stop = False
+        while not stop and self.conn.poll(0):
+          stop = not all(self.take(c) for c in self.conn.recv())
+        if stop:
+          break
+        if not self.server.idle:
+          try:
+            self.round()
+          except Exception as e:  # noqa: BLE001 - keep serving; the requests hear why
+            self.fail_round(e)
+          time.sleep(self.delay_s)
+        self.flush()
+    except (EOFError, OSError):
+      return   # the HTTP process is gone
+    for fid in list(self.ids):
+      self.metrics.cancelled += 1
+      self.events.append((fid, Error("the server shut down before the request finished.",
+                                     503)))
+    self.flush()
+
+
+def run(conn: Connection, args) -> None:
+  """The engine process: build, warm up, serve (see the module doc)."""
+  begin = time.perf_counter()
+  logging.basicConfig(level=args.log_level.upper(),
+                      format="%(asctime)s %(levelname)s engine: %(message)s", force=True)
+  try:
+    cache = compilation_cache(args.compilation_cache)
+    from mars_jax.serve.__main__ import build_server  # pylint: disable=import-outside-toplevel
+    server, model = build_server(args)
+    conn.send(Loaded(model.tokenizer, tuple(model.eos_token_ids),
+                     min(server.max_len - server.extra_slots,
+                         server.config.max_position_embeddings),
+                     server.max_window, server.drafter is not None, server.max_batch))
+    warm_begin = time.perf_counter()
+    if args.warmup:
+      server.warmup(args.warmup_prompt_len)
+    ready = Ready(time.perf_counter() - begin, time.perf_counter() - warm_begin)
+    log.info("ready in %.1f s (warmup %.1f s, compilation cache %s)", ready.startup_s,
+             ready.warmup_s, cache)
+  except Exception as e:  # noqa: BLE001 - the HTTP side reports it and exits
+    log.exception("the engine could not start")
+    conn.send(Failed(f"{type(e).__name__}: {e}"))
+    return
+  core = _Core(server, conn)
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def count(event: str, *_, **__):
+    if event == LOWERING_EVENT:
+      core.metrics.compiles_after_ready += 1
+  jax.monitoring.register_event_duration_secs_listener(count)
+  conn.send(ready)
+  core.serve()
+  if args.cost_table and hasattr(server.policy, "costs"):
+    server.policy.costs.save(args.cost_table)
+
+
+# -- the HTTP side -----------------------------------------------------------------------
+
+class Handle:
+  """A submitted request: its id, prompt length, and the events the engine sends."""
+
+  def __init__(self, request_id: int, prompt_len: int):
+    self.request_id, self.prompt_len = request_id, prompt_len
+    self.events: asyncio.Queue = asyncio.Queue()
     self.finished = False
 
   def __aiter__(self):
@@ -65,149 +309,136 @@ class Handle:
     return event
 
 
-@dataclasses.dataclass
-class Metrics:
-  """Counters of a serving process (read by `GET /metrics`)."""
-  requests: dict[str, int] = dataclasses.field(default_factory=dict)  # by finish reason
-  cancelled: int = 0
-  failed: int = 0
-  prompt_tokens: int = 0
-  generated_tokens: int = 0
-  request_forwards: int = 0   # sum over requests of the forwards each took part in
-  drafter_forwards: int = 0   # likewise, the drafter forwards (a server with a drafter)
-  steps: int = 0              # forwards run for the batch
-  rounds: int = 0
-  running: int = 0
-  queued: int = 0
-  window: int = 0             # the W of the last round
-  batch: int = 0              # the batch bucket of the last round
-
-
 class Engine:
-  """The serving thread over one `Server` (see the module doc)."""
+  """The HTTP side's view of the engine process (see the module doc). Every method is
+  called from the event loop."""
 
-  def __init__(self, server: Server):
-    self.server = server
+  def __init__(self, args):
+    self.args = args
     self.metrics = Metrics()
-    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-    self._handles: dict[int, tuple[Handle, asyncio.AbstractEventLoop]] = {}
-    self._thread = threading.Thread(target=self._run, name="mars-engine", daemon=True)
-    self._admitting = True
-    self.error: BaseException | None = None
+    self.handles: dict[int, Handle] = {}
+    self.admitting = True
+    self.rejected = 0     # requests answered 503 at once (a full queue)
+    self.ready: Ready | None = None
+    self.failure: str | None = None
+    self._next_id = 0
+    self._outbox: list[tuple] = []
+    self._conn: Connection | None = None
+    self._proc = None
+    self.loop: asyncio.AbstractEventLoop | None = None
+    self.loaded: asyncio.Future | None = None
+    self.on_failure = None   # called when the engine process ends before it was ready
 
   @property
   def alive(self) -> bool:
-    return self._thread.is_alive()
+    return self._proc is not None and self._proc.is_alive() and self.failure is None
 
   def start(self) -> None:
-    self._thread.start()
+    """Spawns the engine process and starts reading its messages."""
+    self.loop = asyncio.get_running_loop()
+    self.loaded = self.loop.create_future()
+    ctx = mp.get_context("spawn")
+    self._conn, child = ctx.Pipe()
+    self._proc = ctx.Process(target=run, args=(child, self.args), name="mars-engine",
+                             daemon=True)
+    self._proc.start()
+    child.close()
+    threading.Thread(target=self._read, name="mars-engine-reader", daemon=True).start()
 
-  def stop(self, timeout: float | None = 30.0) -> None:
-    """Stops admitting, cancels the requests left, and joins the thread."""
-    self._admitting = False
-    self._inbox.put(("stop",))
-    self._thread.join(timeout)
+  def _read(self) -> None:
+    """The reader thread: hands each message to the event loop (one per round)."""
+    try:
+      while True:
+        self.loop.call_soon_threadsafe(self._take, self._conn.recv())
+    except (EOFError, OSError):
+      self._proc.join(5)
+      self.loop.call_soon_threadsafe(
+          self._gone, f"the engine process exited (status {self._proc.exitcode})")
+    except RuntimeError:   # the event loop closed first
+      pass
 
-  async def submit(self, prompt: list[int], **kwargs: Any) -> Handle:
-    """Queues a request (`Server.submit`'s arguments) -> its handle; raises what
-    `Server.submit` raises (ValueError on a request it cannot serve), or RuntimeError
-    when the engine no longer admits requests."""
-    if not self._admitting or not self.alive:
-      raise RuntimeError("the server is shutting down; no new requests are admitted.")
-    reply: concurrent.futures.Future = concurrent.futures.Future()
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    self._inbox.put(("submit", prompt, kwargs, reply, loop, events))
-    return await asyncio.wrap_future(reply)
+  def _take(self, message) -> None:
+    if isinstance(message, Round):
+      self.metrics = message.metrics
+      for fid, event in message.events:
+        handle = self.handles.get(fid)
+        if handle is None:
+          continue
+        if isinstance(event, (Done, Error)):
+          del self.handles[fid]
+        handle.events.put_nowait(event)
+    elif isinstance(message, Loaded):
+      self.loaded.set_result(message)
+    elif isinstance(message, Ready):
+      self.ready = message
+    elif isinstance(message, Failed):
+      self._gone(f"the engine could not start: {message.message}")
+
+  def _gone(self, why: str) -> None:
+    """The engine process ended: every open request fails, /health says why."""
+    if self.failure is None:
+      self.failure = why
+      log.error("%s", why)
+    if not self.loaded.done():
+      self.loaded.set_exception(RuntimeError(why))
+      self.loaded.exception()   # retrieved: the failure is reported through `failure`
+    self.answer_all(f"{why}; the request did not finish.", 500)
+    if self.ready is None and self.on_failure is not None:
+      self.on_failure()
+
+  def answer_all(self, message: str, status: int) -> None:
+    """Ends every open request with an `Error` (shutdown, a dead engine)."""
+    for handle in self.handles.values():
+      handle.events.put_nowait(Error(message, status))
+    self.handles.clear()
+
+  def _send(self, command: tuple) -> None:
+    """Queues a command; the commands of one event-loop iteration go as one message."""
+    if not self._outbox:
+      self.loop.call_soon(self._flush)
+    self._outbox.append(command)
+
+  def _flush(self) -> None:
+    commands, self._outbox = self._outbox, []
+    if commands and self.failure is None:
+      try:
+        self._conn.send(commands)
+      except (BrokenPipeError, OSError):
+        self._gone("the engine process exited")
+
+  def submit(self, prompt: list[int], **kwargs: Any) -> Handle:
+    """Sends a request (`Server.submit`'s arguments) -> its handle; its first event says
+    whether the engine took it (`Accepted`) or refused it (`Error`, status 400).
+    RuntimeError when no new request is admitted (shutdown, no engine)."""
+    if not self.admitting or not self.alive or self.ready is None:
+      raise RuntimeError("the server is not admitting requests (starting, shutting down "
+                         "or its engine stopped).")
+    handle = Handle(self._next_id, len(prompt))
+    self._next_id += 1
+    self.handles[handle.request_id] = handle
+    self._send(("submit", handle.request_id, prompt, kwargs))
+    return handle
 
   def cancel(self, handle: Handle) -> None:
-    if not handle.finished:
-      self._inbox.put(("cancel", handle.request_id))
+    """Frees the request's row at the next round (nothing when it already ended)."""
+    if self.handles.pop(handle.request_id, None) is not None:
+      self._send(("cancel", handle.request_id))
 
-  def _post(self, request_id: int, event, *, last: bool = False) -> None:
-    entry = self._handles.pop(request_id, None) if last else self._handles.get(request_id)
-    if entry is not None:
-      handle, loop = entry
-      loop.call_soon_threadsafe(handle.events.put_nowait, event)
+  async def stop(self, timeout: float = 30.0) -> None:
+    """Ends the engine: the open requests are answered (503), the process joined."""
+    self.admitting = False
+    self.answer_all("the server shut down before the request finished.", 503)
+    if self._proc is None:
+      return
+    if self.failure is None:
+      self._send(("stop",))
+      self._flush()
+    await asyncio.get_running_loop().run_in_executor(None, self._proc.join, timeout)
+    self.close()
 
-  def _take(self, command) -> bool:
-    """Carries out one inbox command; -> False on "stop"."""
-    kind = command[0]
-    if kind == "stop":
-      return False
-    if kind == "cancel":
-      if self.server.cancel(command[1]):
-        self._handles.pop(command[1], None)
-        self.metrics.cancelled += 1
-      return True
-    _, prompt, kwargs, reply, loop, events = command
-    try:
-      rid = self.server.submit(prompt, **kwargs)
-    except Exception as e:  # the request's own fault: back to its handler (HTTP 400)
-      reply.set_exception(e)
-      return True
-    handle = Handle(rid, len(prompt), events)
-    self._handles[rid] = (handle, loop)
-    self.metrics.prompt_tokens += len(prompt)
-    reply.set_result(handle)
-    return True
-
-  def _drain(self, block: bool) -> bool:
-    """Takes the inbox's commands (waiting for one when `block`); -> False on "stop"."""
-    try:
-      command = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
-    except queue.Empty:
-      return True
-    while True:
-      if not self._take(command):
-        return False
-      try:
-        command = self._inbox.get_nowait()
-      except queue.Empty:
-        return True
-
-  def _round(self) -> None:
-    m, server = self.metrics, self.server
-    steps = int(server.decoded.steps)
-    begin = time.perf_counter()
-    updates = server.step()
-    m.rounds += 1
-    m.steps += int(server.decoded.steps) - steps
-    m.window, m.batch = server.window, len(server.slots)
-    for u in updates:
-      if u.tokens:
-        self._post(u.request_id, Tokens(u.tokens))
-      if u.done:
-        completion = server.completed.pop(u.request_id)
-        m.requests[completion.finish_reason] = m.requests.get(completion.finish_reason, 0) + 1
-        m.generated_tokens += len(completion.tokens)
-        m.request_forwards += completion.forwards
-        m.drafter_forwards += completion.drafter_forwards
-        self._post(u.request_id, Done(completion), last=True)
-    m.running, m.queued = server.active, len(server.queue)
-    log.debug("round: %d updates, W=%d, %.1f ms", len(updates), server.window,
-              1e3 * (time.perf_counter() - begin))
-
-  def _fail_in_flight(self, error: BaseException) -> None:
-    for rid in list(self._handles):
-      self.server.cancel(rid)
-      self.metrics.failed += 1
-      self._post(rid, Error(f"decoding failed: {type(error).__name__}: {error}"), last=True)
-
-  def _run(self) -> None:
-    try:
-      while self._drain(block=self.server.idle):
-        if self.server.idle:
-          continue
-        try:
-          self._round()
-        except Exception as e:  # noqa: BLE001 - keep serving; the requests hear why
-          log.exception("a decoding round failed")
-          self.error = e
-          self._fail_in_flight(e)   # their rows are freed by the next round
-    finally:
-      self._admitting = False
-      for rid in list(self._handles):
-        self.metrics.cancelled += 1
-        self._post(rid, Error("the server shut down before the request finished."),
-                   last=True)
+  def close(self) -> None:
+    """Kills the engine process if it is still running (after `stop`, or when the HTTP
+    side could not start)."""
+    if self._proc is not None and self._proc.is_alive():
+      self._proc.kill()
+      self._proc.join()

@@ -3,6 +3,7 @@ chunks built (pure functions; no HTTP here, see `mars_jax.serve.app`).
 
   spec = parse_completion(body, model_name="tiny")      # RequestError: HTTP 400
   spec = parse_chat(body, model_name="tiny")
+  spec = with_defaults(spec, {"temperature": 0.7, "top_p": 0.8})  # what the body left out
   completion_response(spec, rid, text, reason, usage)   # -> dict (JSON)
   chunk(spec, rid, delta, reason)                       # -> one stream chunk (dict)
 
@@ -47,16 +48,17 @@ def error_body(message: str, param: str | None = None,
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """One checked request. chat: messages (role/content) else prompt (text or ids);
-  max_tokens None: as many as fit; window: "auto" or an int; tau, gate, mode None:
-  the server's defaults; seed: always set (drawn at random when the body has none)."""
+  max_tokens None: as many as fit; window: "auto" or an int; temperature, top_p,
+  top_k, tau, gate, mode None: the server's defaults; seed: always set (drawn at random
+  when the body has none)."""
   chat: bool
   model: str
   prompt: str | list[int] | None
   messages: list[dict] | None
   max_tokens: int | None
-  temperature: float
-  top_p: float
-  top_k: int
+  temperature: float | None
+  top_p: float | None
+  top_k: int | None
   stop: tuple[str, ...]
   stop_token_ids: tuple[int, ...]
   seed: int
@@ -130,13 +132,17 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
     _ranged("max_tokens", max_tokens, max_tokens >= 1, ">= 1")
   elif not chat:
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-  temperature = float(_typed(body, "temperature", _is_number, "a number", 1.0))
-  _ranged("temperature", temperature, 0 <= temperature, ">= 0 (0: greedy)")
-  top_p = float(_typed(body, "top_p", _is_number, "a number", 1.0))
-  _ranged("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
-  top_k = _typed(body, "top_k", _is_int, "an integer", 0)
-  top_k = 0 if top_k == -1 else top_k           # vLLM's "off"
-  _ranged("top_k", top_k, top_k >= 0, ">= 0 (0 or -1: off)")
+  temperature = _typed(body, "temperature", _is_number, "a number")
+  if temperature is not None:
+    temperature = _ranged("temperature", float(temperature), 0 <= temperature,
+                          ">= 0 (0: greedy)")
+  top_p = _typed(body, "top_p", _is_number, "a number")
+  if top_p is not None:
+    top_p = _ranged("top_p", float(top_p), 0 < top_p <= 1, "in (0, 1]")
+  top_k = _typed(body, "top_k", _is_int, "an integer")
+  if top_k is not None:
+    top_k = 0 if top_k == -1 else top_k           # vLLM's "off"
+    _ranged("top_k", top_k, top_k >= 0, ">= 0 (0 or -1: off)")
   stop = _typed(body, "stop", lambda v: isinstance(v, str) or (
       isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of "
       "strings", [])
@@ -174,6 +180,17 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
               include_usage=include_usage, tau=None if tau is None else float(tau),
               window=window, gate=gate, mode=mode, created=int(time.time()),
               id=f"{prefix}-{uuid.uuid4().hex}")
+
+
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # the API's defaults
+
+
+def with_defaults(spec: Spec, defaults: dict) -> Spec:
+  """`spec` with each sampling field the body left out (None) from `defaults` (the
+  model's generation config), else from the OpenAI API's defaults."""
+  return dataclasses.replace(spec, **{
+      name: (defaults.get(name, value) if getattr(spec, name) is None else getattr(spec, name))
+      for name, value in OPENAI_SAMPLING.items()})
 
 
 def _body(body: Any) -> dict:

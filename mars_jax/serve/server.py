@@ -22,7 +22,9 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
   3. decode: the policy picks W, at least the largest window a live request fixed
      (rounded up to one of the policy's windows or max_window, which bounds the
      compiled variants); the loop runs `round_steps` steps, ending early when a row
-     finishes and requests are waiting. Requests with window
+     finishes and requests are waiting. The prefill steps run at max_window (its
+     rows' own caps still hold; a lossless row's output is the same at every W),
+     so their compiled variants do not multiply with the windows. Requests with window
      "auto" take the round's W; one with a fixed window commits at most that many
      tokens per forward. A lossless server runs the lossless kernel always (it gates
      its gated rows on the same forward); a gated one runs it when some live request
@@ -389,7 +391,7 @@ class Server:
     self.state, self.window = rounds.dispatch(
         self.config, self.params, self.state, self.policy, active=self.active,
         eos_ids=self.eos_ids, mask_token_id=self.mask_token_id, mode=self._kernel_mode(live),
-        measure=self.measure, real_slots=width, wide_steps=prefill_steps,
+        measure=self.measure, real_slots=width, wide_steps=prefill_steps, wide_window=self.max_window,
         stop_on_finish=bool(self.queue), min_window=floor, runtime=self.runtime,
         mesh=self.mesh)
     return self._harvest(before)
@@ -495,9 +497,11 @@ class Server:
                                 eos_ids=self.eos_ids, mask_token_id=np.int32(self.mask_token_id),
                                 mode=mode, runtime=self.runtime, mesh=self.mesh)
         for w in windows:
-          for width in {w} | {min(p, self.prefill_chunk) for p in widths if p > w}:
-            state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
-                        real_slots=width, window=w)
+          state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
+                      real_slots=w, window=w)
+        for width in {min(p, self.prefill_chunk) for p in widths} - {self.max_window}:
+          state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
+                      real_slots=width, window=self.max_window)
       got = loop.harvest(state, np.zeros((b,), np.int32), width=self.harvest_width)
       state = loop.stop(state, np.zeros((b,), bool), np.zeros((b,), np.int32), mesh=self.mesh)
       for other in self.buckets:

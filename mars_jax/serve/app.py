@@ -135,17 +135,26 @@ def metrics_text(engine: Engine, model_name: str, drafter: bool) -> str:
 
 
 class _Streamed(StreamingResponse):
-  """A streamed response that runs `on_end` however it ends (done, client gone, error),
-  even when its body never started."""
+  """A streamed response that watches for the client leaving (uvicorn only says so
+  through `receive`) and runs `on_end` however it ends: done, client gone, error."""
 
   def __init__(self, content, on_end: Callable[[], None]):
     super().__init__(content, media_type="text/event-stream")
     self.on_end = on_end
 
   async def __call__(self, scope, receive, send):
+    async def gone():
+      while (await receive())["type"] != "http.disconnect":
+        pass
+    watcher = asyncio.ensure_future(gone())
+    streamer = asyncio.ensure_future(self.stream_response(send))
     try:
-      await super().__call__(scope, receive, send)
+      await asyncio.wait({watcher, streamer}, return_when=asyncio.FIRST_COMPLETED)
+      if streamer.done() and not isinstance(streamer.exception(), (OSError, type(None))):
+        raise streamer.exception()
     finally:
+      for task in (watcher, streamer):
+        task.cancel()
       self.on_end()
 
 

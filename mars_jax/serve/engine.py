@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -219,11 +220,12 @@ class _Core:
       self.events.append((fid, Error(f"decoding failed: {self.metrics.last_failure}")))
 
   def flush(self) -> None:
+    """Sends the events and counters (after every round and every batch of commands,
+    so the counters are current even when a round produced no event)."""
     m, server = self.metrics, self.server
     m.running, m.queued = server.active, len(server.queue)
-    if self.events:
-      self.conn.send(Round(self.events, m))
-      self.events = []
+    self.conn.send(Round(self.events, m))
+    self.events = []
 
   def serve(self) -> None:
     """Rounds until "stop" (or the HTTP side is gone), then fails what is left."""
@@ -253,8 +255,12 @@ class _Core:
 
 
 def run(conn: Connection, args) -> None:
-  """The engine process: build, warm up, serve (see the module doc)."""
+  """The engine process: build, warm up, serve (see the module doc). It ignores SIGTERM
+  and SIGINT, which a terminal, `timeout` or a scheduler sends the whole process group:
+  the HTTP process leads the shutdown, and a gone HTTP process ends this one."""
   begin = time.perf_counter()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN)
   logging.basicConfig(level=args.log_level.upper(),
                       format="%(asctime)s %(levelname)s engine: %(message)s", force=True)
   try:

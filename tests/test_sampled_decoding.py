@@ -1,7 +1,8 @@
-"""Sampling: the warps equal a NumPy reference, AR sampling equals a naive recompute-
-everything sampler, lossless sampling is AR sampling token for token at every W (and in
-distribution, by a test that rejects the always-accept rule), a prompt's tokens depend on
-its seed only, and stops end decoding inside the loop.
+"""Sampling: the warps equal a NumPy reference and the sort of the vocabulary, AR
+sampling equals a naive recompute-everything sampler, lossless sampling is AR sampling
+token for token at every W (and in distribution, by a test that rejects the
+always-accept rule), a prompt's tokens depend on its seed only, and stops end decoding
+inside the loop.
 
 The model is test_sampling's: a random tiny Qwen2 (vocabulary 128) with its output head
 scaled up, so its distributions are peaked but not one-hot.
@@ -15,7 +16,7 @@ import pytest
 from test_sampling import MASK_ID, full_logits, model  # noqa: F401  (the fixture)
 
 from mars_jax import sampling, serve
-from mars_jax.decoding import draws, stops
+from mars_jax.decoding import draws, gates, stops
 from mars_jax.decoding.window_policy import FixedWindow
 
 PROMPTS = [[11, 52, 3], [7, 90, 33, 64, 25, 18, 41, 9, 100], [60, 61], [5, 77, 12, 98, 43]]
@@ -53,6 +54,71 @@ def test_cut_equals_numpy_reference(top_k, top_p):
   want = np.stack([[cut_np(l.astype(np.float64), top_k, top_p) for l in row] for row in logits])
   np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
   np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
+
+
+def sort_cut(scaled, top_k, top_p):
+  """The cut by the sort of the whole vocabulary (as `draws.cut` was)."""
+  return jnp.where(scaled >= draws.sorted_threshold(scaled, top_k, top_p), scaled, -jnp.inf)
+
+
+def cut_cases(vocab=1000):
+  """Every (top_k, top_p) pair, one row each, over 8 slots of logits: 2 spread, 1 flat
+  (nuclei the candidates do not close), 1 whose first CANDIDATES - 1 tokens hold
+  0.795 of the mass (at top_p 0.8, the nucleus ends past the candidates),
+  2 bf16-quantised (many ties), 2 on a coarse grid (more than CANDIDATES tokens tied
+  with the k-th)."""
+  k = draws.CANDIDATES
+  pairs = [(top_k, top_p) for top_k in (0, 1, 5, 20, k, k + 1, vocab)
+           for top_p in (0.05, 0.5, 0.8, 0.95, 1.0)]
+  rng = np.random.default_rng(0)
+  normal = rng.normal(size=(len(pairs), 8, vocab)).astype(np.float32)
+  scale = np.asarray([4, 6, 0.1, 0, 2, 3, 1, 1], np.float32)[:, None]
+  logits = normal * scale
+  logits[:, 0, :5] = logits[:, 0, :1]                              # ties at the top
+  head = rng.uniform(0.9, 1.1, size=k - 1)
+  tail = np.linspace(1.0, 0.5, vocab - k + 1)
+  probs = np.concatenate([0.795 * head / head.sum(), 0.205 * tail / tail.sum()])
+  logits[:, 3] = np.log(probs)[rng.permutation(vocab)]
+  logits[:, 4:6] = np.asarray(jnp.asarray(logits[:, 4:6], jnp.bfloat16), np.float32)
+  logits[:, 6:] = np.round(logits[:, 6:] * 2) / 2
+  top_k, top_p = (np.asarray(x) for x in zip(*pairs))
+  return (jnp.asarray(logits), jnp.asarray(top_k, jnp.int32),
+          jnp.asarray(top_p, jnp.float32))
+
+
+def test_candidates_cut_as_the_sort_does():
+  """Where the CANDIDATES largest logits decide the threshold, it keeps the sort's set;
+  where they cannot (top_k > CANDIDATES; a nucleus open at the last candidate when
+  every candidate passed top-k), `cut` takes the sort; batches of either kind, and a
+  mixed one, cut and draw as the sort does."""
+  scaled, top_k, top_p = cut_cases()
+  threshold, decided = draws.candidate_threshold(scaled, top_k, top_p)
+  decided = np.asarray(decided)[..., 0]
+  want = np.asarray(sort_cut(scaled, top_k, top_p))
+  got = np.asarray(jnp.where(scaled >= threshold, scaled, -jnp.inf))
+  np.testing.assert_array_equal(got[decided], want[decided])
+  vocab, k = scaled.shape[-1], draws.CANDIDATES
+  top_k, top_p = np.asarray(top_k), np.asarray(top_p)
+  assert not decided[top_k == k + 1].any()
+  assert decided[(top_k > 0) & (top_k <= 20) | (top_p == 1.0) & (top_k != k + 1)].all()
+  assert decided[top_k != k + 1][:, :2].all()                      # spread: closed
+  open_p = (top_p >= 0.5) & (top_p < 1.0)
+  assert not decided[(top_k == 0) & open_p][:, 2].any()             # flat: open
+  assert not decided[(top_k == 0) & (top_p == np.float32(0.8))][:, 3].any()
+  assert not decided[(top_k == k) & open_p & (top_p > 0.5)][:, 6:].any()  # tied past K
+  rows = decided.all(axis=1)
+  assert 0 < rows.sum() < len(rows)
+  positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), scaled.shape[:2])
+  temperature = jnp.ones(top_k.shape, jnp.float32)
+  seed = jnp.arange(len(top_k), dtype=jnp.uint32)
+  for batch in (rows, ~rows, np.ones_like(rows)):
+    args = (scaled[batch], jnp.asarray(top_k[batch]), jnp.asarray(top_p[batch]))
+    np.testing.assert_array_equal(np.asarray(draws.cut(*args)), want[batch])
+    tokens = draws.choose(args[0], positions[batch], temperature[batch], *args[1:],
+                          seed[batch])
+    drawn = gates.greedy(jnp.asarray(want[batch])
+                         + draws.noise(seed[batch], positions[batch], vocab))
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(drawn))
 
 
 def chi2_threshold(df: int, z: float = 3.719) -> float:

@@ -24,8 +24,35 @@ the clean causal distribution p, one forward later) see the same g; the draft st
 when the two draws agree, so the output is AR sampling token for token (docs/design.md,
 "Sampling").
 
-The sort that top-k and top-p need, and the noise, run only when some row of the
-batch asks for them (`lax.cond`): greedy batches pay nothing for sampling.
+The cut does not sort the vocabulary. `lax.top_k` takes each slot's CANDIDATES
+largest logits, in order. The k-th of them is the top-k threshold; the running mass
+of their softmax, normalised over the whole top-k kept set (a sum over the
+vocabulary, no sort), finds the last token of the nucleus; the cut is `s >= threshold`
+over the whole vocabulary, so the ties beyond the candidates stay. One slot of 8
+logits, 4 candidates:
+
+  s, in descending order     4.0  3.0  3.0  2.0  2.0  1.0  0.5  0.0
+  the candidates             4.0  3.0  3.0  2.0
+  top_k = 4                  threshold 2.0: 5 tokens kept, the 2.0 tied beyond too
+  p (5 kept) before a token  0    .50  .68  .87  (.93)
+  top_p = 0.7                the nucleus ends at the second 3.0 (.68 < .7):
+                             threshold 3.0, 3 tokens kept
+  top_p = 0.9                the nucleus takes the last candidate (.87 < .9), and
+                             every candidate passed top-k: tokens beyond them may
+                             belong to it, so the candidates do not decide it
+
+The candidates decide the threshold unless top_k > CANDIDATES (the k-th is not
+among them), or, as above, the nucleus takes the last candidate while every
+candidate passed top-k. A slot they do not decide takes the sort of the whole
+vocabulary (`sorted_threshold`, the definition as written), under a `lax.cond` that
+runs it only when some slot of the batch needs it. Where the candidates decide it,
+the two give the same threshold from the same sorted values and the same running
+sums; only the normaliser adds the vocabulary in another order, so the two could
+end a nucleus one token apart when its mass falls within float32 rounding of top_p.
+
+The cut and the noise run only when some row of the batch samples (`lax.cond`):
+greedy batches pay nothing for sampling. In a sampled step the noise (a Gumbel draw
+per token of the vocabulary, per slot) costs more than the cut.
 """
 
 from __future__ import annotations
@@ -45,12 +72,53 @@ def scale(logits: Array, temperature: Array) -> Array:
   return logits.astype(jnp.float32) / t[:, None, None]
 
 
+CANDIDATES = 128  # logits `lax.top_k` takes per slot to find the cut's threshold
+
+
 def cut(scaled: Array, top_k: Array, top_p: Array) -> Array:
   """The top-k, then top-p cut of temperature-scaled logits: -inf outside the kept set.
+  The threshold comes from the CANDIDATES largest logits, or from the sort when some
+  slot needs it.
 
   scaled: float32[b, k, vocab]; top_k: int32[b] (0 or >= vocab: off);
   top_p: float32[b] (>= 1: off) -> float32[b, k, vocab].
   """
+  threshold, decided = candidate_threshold(scaled, top_k, top_p)
+  threshold = jax.lax.cond(jnp.all(decided), lambda: threshold,
+                           lambda: sorted_threshold(scaled, top_k, top_p))
+  return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def candidate_threshold(scaled: Array, top_k: Array, top_p: Array) -> tuple[Array, Array]:
+  """The cut's threshold from each slot's CANDIDATES largest logits, and whether they
+  decide it (where not, the threshold is meaningless). Shapes as `cut`
+  -> (float32[b, k, 1], bool[b, k, 1])."""
+  vocab = scaled.shape[-1]
+  n = min(CANDIDATES, vocab)
+  # descending: [b, k, n]. XLA (CPU) expands top_k into a sort of the vocabulary and a [0:n]
+  # slice, and makes that a TopK call again only while no other slice merges into it.
+  top = jax.lax.optimization_barrier(jax.lax.top_k(scaled, n)[0])
+  k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None, None]
+  kth = jnp.where(k <= n, jnp.take_along_axis(
+      top, jnp.broadcast_to(jnp.minimum(k, n) - 1, top.shape[:-1] + (1,)), axis=-1), -jnp.inf)
+  total = jnp.sum(jnp.where(scaled >= kth, jnp.exp(scaled - top[..., :1]), 0.0), axis=-1,
+                  keepdims=True)
+  in_k = top >= kth
+  probs = jnp.where(in_k, jnp.exp(top - top[..., :1]), 0.0) / total
+  before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs  # as `sorted_threshold`
+  p = top_p[:, None, None]
+  kept = jnp.sum(in_k & (before < p), axis=-1, keepdims=True)
+  last = jnp.take_along_axis(top, jnp.maximum(kept - 1, 0), axis=-1)
+  # The nucleus is open when it takes the last candidate and every candidate passed top-k:
+  # tokens beyond them may pass too.
+  open_nucleus = (p < 1.0) & (before[..., -1:] < p) & in_k[..., -1:] & (n < vocab)
+  return (jnp.where(p < 1.0, jnp.maximum(kth, last), kth),
+          ((k <= n) | (k == vocab)) & ~open_nucleus)
+
+
+def sorted_threshold(scaled: Array, top_k: Array, top_p: Array) -> Array:
+  """The cut's threshold by a sort of the whole vocabulary (the fallback).
+  Shapes as `cut` -> float32[b, k, 1]."""
   vocab = scaled.shape[-1]
   desc = -jnp.sort(-scaled, axis=-1)                              # descending
   k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None, None]
@@ -60,8 +128,7 @@ def cut(scaled: Array, top_k: Array, top_p: Array) -> Array:
   before = jax.lax.associative_scan(jnp.add, probs, axis=-1) - probs  # mass of earlier ones
   kept = jnp.sum(in_k & (before < top_p[:, None, None]), axis=-1, keepdims=True)
   last = jnp.take_along_axis(desc, jnp.maximum(kept - 1, 0), axis=-1)
-  threshold = jnp.where((top_p < 1.0)[:, None, None], jnp.maximum(kth, last), kth)
-  return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+  return jnp.where((top_p < 1.0)[:, None, None], jnp.maximum(kth, last), kth)
 
 
 def noise(seed: Array, positions: Array, vocab: int) -> Array:
@@ -73,11 +140,12 @@ def noise(seed: Array, positions: Array, vocab: int) -> Array:
 
 
 def warp(logits: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
-  """The warped logits (temperature, then the top-k/top-p cut when any row asks for it).
-  Shapes as `cut`; temperature: float32[b]."""
+  """The warped logits (temperature, then the top-k/top-p cut when any row asks for it;
+  greedy rows, T == 0, are not cut). Shapes as `cut`; temperature: float32[b]."""
   scaled = scale(logits, temperature)
-  needs_cut = jnp.any((temperature > 0) & (((top_k > 0) & (top_k < logits.shape[-1]))
-                                           | (top_p < 1.0)))
+  top_k = jnp.where(temperature > 0, top_k, 0)
+  top_p = jnp.where(temperature > 0, top_p, 1.0)
+  needs_cut = jnp.any(((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0))
   return jax.lax.cond(needs_cut, cut, lambda s, k, p: s, scaled, top_k, top_p)
 
 

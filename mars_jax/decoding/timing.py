@@ -19,7 +19,8 @@ _COSTS: dict[tuple, CostTable] = {}
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
                  mode: Mode, mask_token_id: int, steps: int = 32, repeats: int = 5,
-                 runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> float:
+                 runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
+                 sample: dict | None = None) -> float:
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode), best of `repeats` runs of `steps` steps after one that compiles.
 
@@ -27,24 +28,26 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   steps run around the middle of the bucket, as a decode that fills it does on
   average: `batch` rows whose `live` prompt tokens count as prefilled (cursor at the
   last one; their K/V are left as zeros, which costs the same), tau 1. mesh: the one
-  the params are placed on (None: one device)."""
+  the params are placed on (None: one device). sample: every row's temperature, top_k
+  and top_p (`loop.Controls`; None: greedy)."""
   live = max(1, (cache_len - window - steps) // 2)
   prompt = np.ones((batch, live), np.int32)
   rows = np.ones((batch,), np.int32)
+  controls = loop.new_controls(batch).replace(lossless=np.full((batch,), mode == "lossless"))
+  controls = controls.replace(**{name: np.full((batch,), value, getattr(controls, name).dtype)
+                                 for name, value in (sample or {}).items()})
   best = float("inf")
   for _ in range(repeats + 1):
     state = loop.start(config, prompt, live * rows, (cache_len - window - live + 1) * rows,
-                       loop.new_controls(batch).replace(
-                           lossless=np.full((batch,), mode == "lossless")),
-                       cache_len=cache_len, runtime=runtime,
-                       mesh=mesh)
+                       controls, cache_len=cache_len, runtime=runtime, mesh=mesh)
     state = state.replace(cursor=state.length - 1)
     jax.block_until_ready(state)
     begin = time.perf_counter()
-    state = loop.run_steps(config, params, state, batching.eos_array(()),
-                           np.int32(mask_token_id), np.int32(steps), np.bool_(False),
-                           window=window, real_slots=window, mode=mode, runtime=runtime,
-                           mesh=mesh)
+    # called as `rounds.dispatch` calls it, so a server's warmup compiles it once
+    state = loop.run_steps(config, params, eos_ids=batching.eos_array(()),
+                           mask_token_id=np.int32(mask_token_id), mode=mode, runtime=runtime,
+                           mesh=mesh, state=state, max_steps=np.int32(steps),
+                           stop_on_finish=np.bool_(False), real_slots=window, window=window)
     ran = int(state.steps)
     best = min(best, (time.perf_counter() - begin) / max(ran, 1))
   return best

@@ -1,59 +1,120 @@
-"""`python -m mars_jax.bench serve`: the HTTP server under N concurrent streaming clients,
-window "auto" vs W = 1, vs transformers' generate at batch N.
+"""`python -m mars_jax.bench serve`: our HTTP server and transformers' under one closed-loop
+load of streamed chats, sent by the official `openai` client; what `vllm bench serve`
+reports.
 
-The toy (`mars_jax.benchmarks.toy`) is trained at start and exported (`toy.export`).
-For each server kind in turn, "auto" (the load-aware window policy over --windows),
-then W = 1 (our AR loop), `python -m mars_jax.serve` runs as a subprocess on 127.0.0.1
-(lossless, up to 64 rows, the batch shrinking to 1 under light load). For each N in
---clients, N concurrent clients (asyncio, httpx) make an untimed pass (it compiles the
-batch buckets and the moves between them that the load goes through, and runs the
-policy's cost calibration), then --repeats timed passes: each client streams
---requests-per-client completions back to back (a toy prompt as token ids, --max-tokens
-tokens, temperature 0; no request starts past --duration-s but the first); the pass with
-the most output tokens/s counts (which buckets a load visits depends on how its
-requests overlap, so a pass may still meet one the warm-up missed and wait for its
-compilation; the next passes do not). Then the server is stopped with SIGTERM: it must
-exit 0.
+  python -m mars_jax.bench serve [--model HF_DIR] [--concurrency 1,4,16,64,256]
+      [--duration-s 25] [--warm-s 10] [--client-procs 2] [--peer transformers|none]
+      [--out bench_serve.json] [--plot bench_serve.png]
 
-Per (server, N): requests/s and output tokens/s over the load's wall time; TTFT, from
-sending a request to its first chunk with text; ITL, the gaps between a request's text
-chunks (a chunk carries what one round committed: several tokens); TPOT, (last - first
-text chunk) / (completion tokens - 1), over the requests streamed in more than one chunk;
-tokens per forward, completion tokens / forwards summed over requests (usage chunks).
-The peer: transformers' greedy `generate` (KV cache, EOS off) on the exported directory
-at batch N, on the first prompt of each client, --max-tokens new tokens, timed alone
-after the servers (`sample.best_times`). =AR: the auto server's texts equal the W = 1
-server's prompt for prompt (lossless decoding is exact AR). This process trains on the
-CPU and leaves the accelerator, if any, to the server; the clients share the CPU with it.
+Model: --model, an HF directory, or else the embedded default (`python -m mars_jax.train
+--config configs/tiny.py --workdir WORK/tiny`, which exports WORK/tiny/hf), trained once
+under --work-dir and reused. Prompts (--prompts): "task", held-out problems of the task
+the directory's task.json records (a user turn of two sentences; the toy answers in ~40
+tokens, then EOS), or "chat", the short user chats of CHATS; "auto": task when the
+directory has a task.json. Every request asks for --max-tokens at temperature 0. Neither
+server has `ignore_eos` (both refuse unknown fields), so on a random model the tokens
+per request reach max_tokens only because it practically never draws EOS; the JSON has
+the share of requests that ended at the length limit.
+
+Servers, one at a time, each a subprocess on a free port of 127.0.0.1, same directory:
+  auto          python -m mars_jax.serve --window auto --batch-size B --min-batch-size 1
+                --mode lossless ... --server-args, under JAX_LOG_COMPILES=1
+  w1            the same with --window 1 (our AR loop)
+  transformers  transformers serve DIR --continuous-batching --device cpu (--peer-device);
+                it answers for the model named DIR exactly as given (the absolute path)
+Ready: GET /health answers 200 (ours answers 503 while it compiles; its startup_s, when
+the body has one, is printed).
+
+Load: N virtual users (--concurrency) over --client-procs spawned processes, each process
+one `openai.AsyncOpenAI`; closed loop: a user sends its next streamed chat completion
+(stream_options include_usage) when its previous one ends. Per N an untimed pass of
+--warm-s, then a timed pass of --duration-s: each user sends one request at least, none
+starts later, those in flight finish, and the wall time runs from the start to the last
+end (as vllm's duration ends with its last request).
+
+Figures: requests/s and output tokens/s over the wall time; TTFT, from sending to the
+first chunk with content; ITL, the gaps between content chunks (one of ours carries what
+a round committed, maybe several tokens; vLLM's ITL is per chunk too); TPOT per request,
+(latency - TTFT) / (output tokens - 1). Output tokens: the usage's completion_tokens when
+the stream has usage (ours sends it last when asked; transformers always, in its finish
+chunk), else the count of content chunks; `tokens_from` counts which. Ours also: rows
+per forward = delta(mars_request_forwards_total) / delta(mars_batch_forwards_total) and
+tokens per forward = delta(mars_generation_tokens_total) / delta(mars_request_forwards_total)
+over the timed pass (GET /metrics before and after), and jax's compile log lines
+("Compiling ... with global shapes") after ready: after the server's "ready in" line, or
+after /health first answered 200 when it prints none; in each timed pass, and in all.
+
+In-process (--in-process, default 64): `Server.from_model(load_model(DIR), ...)` in this
+process once the servers are stopped (the same --batch-size, --windows, --max-len), warmed
+up as our server is before it is ready (`server.warmup()`, its compilation cache), the
+same prompts (the chat template applied), max_tokens and users, stepped with
+`server.step()` (TTFT, ITL at the ends of rounds).
+
+Every server started is stopped (SIGTERM, kill after --stop-timeout-s) even on failure,
+and its exit code reported; the run fails when ours did not exit 0 (transformers serve
+ends by the SIGTERM that uvicorn raises again after its graceful shutdown: -15).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import concurrent.futures
 import json
+import multiprocessing
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import urllib.error
+import urllib.request
+from importlib import metadata
 
-import httpx
-import jax
 import numpy as np
 
-from mars_jax.benchmarks import sample, toy
-
-MODEL_NAME = "toy"
-KINDS = {"auto": "auto", "w1": "1"}  # server kind -> its --window
-SERVER_FLAGS = ("--mode", "lossless", "--batch-size", "64", "--min-batch-size", "1",
-                "--served-model-name", MODEL_NAME, "--log-level", "warning")
-HEALTH_TIMEOUT_S = 300.0  # JAX import and model load
-STOP_TIMEOUT_S = 90.0     # the server's graceful shutdown (30 s) and exit
-REQUEST_TIMEOUT_S = 600.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OURS = {"auto": "auto", "w1": "1"}  # our server kinds -> --window
+PEER = "transformers"
+MAX_CONTEXT = 4096        # our server's default context per request (prompt + completion)
+START_DELAY_S = 1.0       # client processes start a pass together, this long after it is sent
+REQUEST_TIMEOUT_S = 900.0
+COMPILE_LINE = re.compile(r"Compiling (\S+) with global shapes")
+CHATS = (
+    "I'm planning a weekend in Lisbon with two friends. We like food and old "
+    "neighbourhoods more than museums. What should we not miss?",
+    "My sourdough starter smells like nail polish remover. I feed it rye flour once a "
+    "day. Is it dead, or can I save it?",
+    "Can you explain what a hash map is? I'm new to programming and my textbook lost me "
+    "at 'buckets'.",
+    "Write a short, friendly reminder to my team that the quarterly reports are due on "
+    "Friday. Keep it under three sentences.",
+    "What's the difference between weather and climate? My daughter asked me and I "
+    "realised I'm not sure.",
+    "I run 5 km three times a week, but my knees ache afterwards. Should I change my "
+    "shoes or my route?",
+    "Summarise the plot of Romeo and Juliet in a few sentences for a ten-year-old.",
+    "My landlord wants to raise the rent by 15 percent. Is that normal? How should I "
+    "answer politely?",
+    "Give me three ideas for a vegetarian dinner in under thirty minutes. I have "
+    "chickpeas, spinach and rice.",
+    "Why does my Python script say 'list index out of range'? It loops over a list and "
+    "reads the next element too.",
+    "Translate 'Where is the train station, and when does the last train leave?' into "
+    "Spanish and French.",
+    "I have an interview tomorrow for a junior data analyst job. Which questions should "
+    "I expect?",
+    "How do I politely decline a wedding invitation from a coworker I barely know?",
+    "Explain compound interest with a simple example. I save 100 euros a month.",
+    "The bottom leaves of my tomato plants are turning yellow. They get full sun and I "
+    "water them every evening. What's wrong?",
+    "Suggest a name for a small bakery that makes cinnamon rolls. Something warm and a "
+    "bit playful.",
+)
 
 
 def free_port() -> int:
@@ -63,311 +124,565 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def server_command(model_dir: str, port: int, window: str, windows: list[int],
-                   max_len: int) -> list[str]:
-  """The `python -m mars_jax.serve` command line of one server kind (windows: the W
-  that window "auto" picks among)."""
-  choice = ["--windows", ",".join(map(str, windows))] if window == "auto" else []
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+# ---- model and prompts ---------------------------------------------------------------
+
+
+def default_model(work_dir: str) -> str:
+  """The embedded default's export WORK/tiny/hf, trained (README's first command) when
+  absent; the training's output goes to WORK/tiny.log."""
+  run = os.path.abspath(os.path.join(work_dir, "tiny"))
+  out = os.path.join(run, "hf")
+  if os.path.isfile(os.path.join(out, "config.json")):
+    return out
+  os.makedirs(work_dir, exist_ok=True)
+  print(f"training the default model into {run} (log: {run}.log)", flush=True)
+  with open(f"{run}.log", "w") as log:
+    subprocess.run([sys.executable, "-m", "mars_jax.train", "--config",
+                    os.path.join(ROOT, "configs", "tiny.py"), "--workdir", run],
+                   stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT, env=_env())
+  return out
+
+
+def prompt_set(model_dir: str, kind: str, count: int = 256) -> tuple[str, list[list[dict]]]:
+  """(the prompt set's kind, its chats: one user turn each; see the module doc)."""
+  from mars_jax.data import synthetic  # pylint: disable=import-outside-toplevel
+  task = synthetic.load_task_settings(model_dir)
+  kind = ("task" if task else "chat") if kind == "auto" else kind
+  if kind == "chat":
+    return kind, [[{"role": "user", "content": text}] for text in CHATS]
+  if task is None:
+    raise ValueError(f"--prompts task: {model_dir} has no task.json.")
+  settings = {k: task["synthetic"][k] for k in ("seed", "test_fraction", "difficulty")
+              if k in task["synthetic"]}
+  problems = synthetic.generate(count, split="test", **settings)
+  return kind, [[{"role": "user", "content": p["question"]}] for p in problems]
+
+
+# ---- servers -------------------------------------------------------------------------
+
+
+def _env(**extra: str) -> dict:
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+  return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def ours_command(model_dir: str, port: int, window: str, name: str, args) -> list[str]:
+  shape = [*(["--windows", args.windows] if args.windows and window == "auto" else []),
+           *(["--max-len", str(args.max_len)] if args.max_len else [])]
   return [sys.executable, "-m", "mars_jax.serve", "--model", model_dir, "--host", "127.0.0.1",
-          "--port", str(port), "--window", window, *choice, "--max-len", str(max_len),
-          *SERVER_FLAGS]
+          "--port", str(port), "--window", window, "--batch-size", str(args.batch_size),
+          "--min-batch-size", "1", "--mode", "lossless", "--served-model-name", name,
+          "--log-level", "warning", *shape, *shlex.split(args.server_args)]
 
 
-def _tail(log, chars: int = 4000) -> str:
-  log.flush()
-  log.seek(0)
-  return log.read()[-chars:]
+def peer_command(model_dir: str, port: int, device: str) -> list[str]:
+  script = os.path.join(os.path.dirname(sys.executable), "transformers")
+  return [script, "serve", model_dir, "--continuous-batching", "--device", device,
+          "--host", "127.0.0.1", "--port", str(port)]
 
 
-def start_server(command: list[str], url: str, log) -> subprocess.Popen:
-  """Starts the server (output to `log`, a text file open for reading and writing) and
-  returns once GET /health answers 200; RuntimeError (the log's tail) otherwise."""
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-  proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-  deadline = time.monotonic() + HEALTH_TIMEOUT_S
-  while time.monotonic() < deadline:
-    if proc.poll() is not None:
-      raise RuntimeError(f"the server exited ({proc.returncode}) before /health answered:"
-                         f"\n{_tail(log)}")
-    try:
-      if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-        return proc
-    except httpx.TransportError:
-      pass
-    time.sleep(0.5)
-  proc.kill()
-  raise RuntimeError(f"/health did not answer within {HEALTH_TIMEOUT_S:.0f} s:\n{_tail(log)}")
-
-
-def stop_server(proc: subprocess.Popen) -> int | None:
-  """SIGTERM, then waits for the exit -> its status (None: killed after STOP_TIMEOUT_S)."""
-  proc.send_signal(signal.SIGTERM)
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+  """GET -> (HTTP status, body); (0, "") when nothing answers."""
   try:
-    return proc.wait(STOP_TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.wait()
-    return None
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+      return r.status, r.read().decode()
+  except urllib.error.HTTPError as e:
+    return e.code, e.read().decode()
+  except (urllib.error.URLError, ConnectionError, TimeoutError):
+    return 0, ""
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int],
-                            max_tokens: int) -> dict:
-  """One streamed greedy completion -> {"text", "chunk_s": seconds from sending to each
-  chunk with text, "completion_tokens", "forwards"} (from the usage chunk)."""
-  body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-          "stream": True, "stream_options": {"include_usage": True}}
-  parts, chunk_s, usage = [], [], None
+def tail(path: str, chars: int = 3000) -> str:
+  with open(path, errors="replace") as f:
+    return f.read()[-chars:]
+
+
+class Launched:
+  """A server subprocess, its output in `log` (stdout and stderr)."""
+
+  def __init__(self, command: list[str], env: dict, log: str, port: int):
+    self.command, self.log, self.url = command, log, f"http://127.0.0.1:{port}"
+    with open(log, "w") as f:
+      self.proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                   cwd=ROOT)
+    self.begin = time.perf_counter()
+
+  def wait_ready(self, timeout_s: float) -> dict:
+    """Polls GET /health until it answers 200 -> {"ready_s", "startup_s" (the body's, or
+    None), "log_offset" (the log's size then)}; RuntimeError (the log's tail) when the
+    process exits or the time runs out first."""
+    deadline = self.begin + timeout_s
+    while time.perf_counter() < deadline:
+      if self.proc.poll() is not None:
+        raise RuntimeError(f"{self.command[:4]} exited ({self.proc.returncode}) before it "
+                           f"was ready:\n{tail(self.log)}")
+      status, body = _get(f"{self.url}/health")
+      if status == 200:
+        ready_s = time.perf_counter() - self.begin
+        startup = json.loads(body or "{}").get("startup_s")
+        return {"ready_s": ready_s, "startup_s": startup,
+                "log_offset": os.path.getsize(self.log)}
+      time.sleep(0.5)
+    raise RuntimeError(f"{self.url}/health did not answer 200 within {timeout_s:.0f} s:\n"
+                       f"{tail(self.log)}")
+
+  def stop(self, timeout_s: float) -> dict:
+    """SIGTERM, then SIGKILL after timeout_s -> {"exit_code", "killed"}."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+    try:
+      return {"exit_code": self.proc.wait(timeout_s), "killed": False}
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      return {"exit_code": self.proc.wait(), "killed": True}
+
+
+def compiles(log: str, start: int) -> collections.Counter:
+  """jax's compile log lines past byte `start` of the log, by function name."""
+  with open(log, "rb") as f:
+    f.seek(start)
+    text = f.read().decode(errors="replace")
+  return collections.Counter(m.group(1) for m in COMPILE_LINE.finditer(text))
+
+
+def ready_offset(log: str, fallback: int) -> int:
+  """The byte offset past the server's "ready in" line, else `fallback`."""
+  with open(log, "rb") as f:
+    text = f.read()
+  at = text.find(b"ready in")
+  if at < 0:
+    return fallback
+  end = text.find(b"\n", at)
+  return len(text) if end < 0 else end + 1
+
+
+def scrape(url: str) -> dict[str, float]:
+  """GET /metrics (Prometheus text) -> {metric name: its samples summed over labels}."""
+  status, body = _get(f"{url}/metrics")
+  if status != 200:
+    raise RuntimeError(f"GET {url}/metrics answered {status}.")
+  totals: dict[str, float] = collections.defaultdict(float)
+  for line in body.splitlines():
+    if line and not line.startswith("#"):
+      name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
+      totals[name] += float((rest.rsplit("}", 1)[-1] if "}" in rest else rest).split()[0])
+  return dict(totals)
+
+
+def per_forward(before: dict, after: dict) -> dict:
+  """Rows per forward and tokens per forward of the requests between two scrapes, and
+  the counters' deltas (0 for a counter the server does not have)."""
+  delta = {k: after.get(f"mars_{k}_total", 0) - before.get(f"mars_{k}_total", 0)
+           for k in ("request_forwards", "batch_forwards", "generation_tokens",
+                     "compiles_after_ready")}
+  return {"rows_per_forward": delta["request_forwards"] / max(delta["batch_forwards"], 1),
+          "tokens_per_forward": delta["generation_tokens"] / max(delta["request_forwards"], 1),
+          "metrics_delta": delta}
+
+
+# ---- clients (run in spawned processes) ----------------------------------------------
+
+
+async def _request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+  """One streamed chat completion -> {"chunk_s": seconds from sending to each content
+  chunk, "latency_s", "tokens", "tokens_from": "usage" | "chunks", "finish_reason"}, or
+  {"error"}."""
+  import openai  # pylint: disable=import-outside-toplevel
   sent = time.perf_counter()
-  async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-    if response.status_code != 200:
-      raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()}")
-    async for line in response.aiter_lines():
-      if not line.startswith("data: ") or line == "data: [DONE]":
-        continue
-      chunk = json.loads(line[len("data: "):])
-      if "error" in chunk:
-        raise RuntimeError(f"the stream failed: {chunk['error']}")
-      usage = chunk.get("usage") or usage
-      if chunk["choices"] and chunk["choices"][0]["text"]:
-        chunk_s.append(time.perf_counter() - sent)
-        parts.append(chunk["choices"][0]["text"])
-  if usage is None or not chunk_s:
-    raise RuntimeError(f"the stream of {prompt} ended without text or usage.")
-  return {"text": "".join(parts), "chunk_s": chunk_s,
-          "completion_tokens": usage["completion_tokens"], "forwards": usage["forwards"]}
+  chunk_s, usage, reason = [], None, None
+  try:
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    async for chunk in stream:
+      usage = chunk.usage or usage
+      if chunk.choices:
+        reason = chunk.choices[0].finish_reason or reason
+        if chunk.choices[0].delta.content:
+          chunk_s.append(time.perf_counter() - sent)
+  except openai.OpenAIError as e:
+    return {"error": f"{type(e).__name__}: {e}"}
+  return {"chunk_s": chunk_s, "latency_s": time.perf_counter() - sent,
+          "tokens": usage.completion_tokens if usage else len(chunk_s),
+          "tokens_from": "usage" if usage else "chunks", "finish_reason": reason}
 
 
-async def _load(url: str, prompts: list[list[list[int]]], max_tokens: int,
-                duration_s: float) -> tuple[list[dict], float]:
-  limits = httpx.Limits(max_connections=len(prompts))
-  async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-    start = time.perf_counter()
+async def _users(url: str, model: str, chats: list, first: int, users: int, total: int,
+                 max_tokens: int, start_at: float, stop_at: float) -> dict:
+  import openai  # pylint: disable=import-outside-toplevel
+  client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                              timeout=REQUEST_TIMEOUT_S)
+  await asyncio.sleep(max(0.0, start_at - time.time()))
+  start = time.time()
 
-    async def one_client(i: int, own: list[list[int]]) -> list[dict]:
-      records = []
-      for j, prompt in enumerate(own):
-        if j and time.perf_counter() - start > duration_s:
-          break
-        records.append({"key": (i, j),
-                        **await stream_completion(client, url, prompt, max_tokens)})
-      return records
+  async def user(u: int) -> list[dict]:
+    records, j = [], 0
+    while not j or time.time() < stop_at:
+      records.append(await _request(client, model, chats[(u + j * total) % len(chats)],
+                                    max_tokens))
+      j += 1
+    return records
 
-    done = await asyncio.gather(*(one_client(i, own) for i, own in enumerate(prompts)))
-    return [r for records in done for r in records], time.perf_counter() - start
-
-
-def run_load(url: str, prompts: list[list[list[int]]], max_tokens: int,
-             duration_s: float = float("inf")) -> tuple[list[dict], float]:
-  """len(prompts) concurrent clients, client i streaming prompts[i] back to back (none
-  started past duration_s but its first) -> (request records keyed (i, j), wall seconds)."""
-  return asyncio.run(_load(url, prompts, max_tokens, duration_s))
+  done = await asyncio.gather(*(user(first + i) for i in range(users)))
+  await client.close()
+  return {"records": [r for rs in done for r in rs], "start": start, "end": time.time()}
 
 
-def _percentile_ms(values_s: list[float], q: float) -> float | None:
+def client_process(job: dict) -> dict:
+  """Users [first, first + users) of a pass, in this process -> {"records", "start",
+  "end"} (wall-clock times)."""
+  return asyncio.run(_users(**job))
+
+
+def client_ready(pause_s: float) -> None:
+  """Imports the client in a pool process, then holds it a moment (so that each of
+  the pool's processes takes one call)."""
+  import openai  # pylint: disable=import-outside-toplevel,unused-import
+  time.sleep(pause_s)
+
+
+def run_pass(pool, procs: int, url: str, model: str, chats: list, n: int, seconds: float,
+             max_tokens: int) -> tuple[list[dict], float]:
+  """N users closed loop for `seconds` (each sends one request at least), split over
+  `procs` of the pool's processes -> (request records, wall seconds from the first start
+  to the last end)."""
+  procs = min(procs, n)
+  sizes = [n // procs + (i < n % procs) for i in range(procs)]
+  start_at = time.time() + START_DELAY_S
+  jobs = [dict(url=url, model=model, chats=chats, first=sum(sizes[:i]), users=size,
+               total=n, max_tokens=max_tokens, start_at=start_at, stop_at=start_at + seconds)
+          for i, size in enumerate(sizes)]
+  results = list(pool.map(client_process, jobs))
+  return ([r for res in results for r in res["records"]],
+          max(r["end"] for r in results) - min(r["start"] for r in results))
+
+
+# ---- figures -------------------------------------------------------------------------
+
+
+def _ms(values_s: list[float], q: float) -> float | None:
   return float(np.percentile(values_s, q) * 1e3) if values_s else None
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
-  """The figures of one load (see the module doc)."""
-  tokens = sum(r["completion_tokens"] for r in records)
-  gaps_s = [b - a for r in records for a, b in zip(r["chunk_s"], r["chunk_s"][1:])]
-  ttft_s = [r["chunk_s"][0] for r in records]
-  tpot_s = [(r["chunk_s"][-1] - r["chunk_s"][0]) / (r["completion_tokens"] - 1)
-            for r in records if len(r["chunk_s"]) > 1]
-  return {"requests": len(records), "completion_tokens": tokens, "wall_s": wall_s,
-          "requests_per_s": len(records) / wall_s, "tokens_per_s": tokens / wall_s,
-          "ttft_p50_ms": _percentile_ms(ttft_s, 50), "ttft_p99_ms": _percentile_ms(ttft_s, 99),
-          "itl_p50_ms": _percentile_ms(gaps_s, 50), "itl_p99_ms": _percentile_ms(gaps_s, 99),
-          "tpot_p50_ms": _percentile_ms(tpot_s, 50),
-          "tokens_per_forward": tokens / max(sum(r["forwards"] for r in records), 1)}
+  """What `vllm bench serve` reports, for one pass's requests (see the module doc)."""
+  ok = [r for r in records if "error" not in r]
+  tokens = sum(r["tokens"] for r in ok)
+  ttft = [r["chunk_s"][0] for r in ok if r["chunk_s"]]
+  itl = [b - a for r in ok for a, b in zip(r["chunk_s"], r["chunk_s"][1:])]
+  tpot = [(r["latency_s"] - r["chunk_s"][0]) / (r["tokens"] - 1) for r in ok
+          if r["chunk_s"] and r["tokens"] > 1]
+  return {"requests": len(ok), "failed": len(records) - len(ok),
+          "errors": sorted({r["error"] for r in records if "error" in r})[:3],
+          "output_tokens": tokens, "wall_s": wall_s, "requests_per_s": len(ok) / wall_s,
+          "output_tokens_per_s": tokens / wall_s,
+          "mean_output_tokens": tokens / max(len(ok), 1),
+          "length_share": sum(r["finish_reason"] == "length" for r in ok) / max(len(ok), 1),
+          "tokens_from": dict(collections.Counter(r["tokens_from"] for r in ok)),
+          **{f"{name}_p{q}_ms": _ms(values, q)
+             for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl))
+             for q in (50, 99)}}
 
 
-def bench_server(model_dir: str, window: str, windows: list[int],
-                 prompts: dict[int, list[list[list[int]]]], args) -> tuple[dict, dict]:
-  """One server kind, each client count warmed up then timed -> ({N: (records, wall
-  seconds) of its fastest pass}, {"command", "exit_code"})."""
-  largest = max(windows) if window == "auto" else int(window)
+# ---- one server kind under every load ------------------------------------------------
+
+
+def bench_server(kind: str, model_dir: str, chats: list, pool, args) -> dict:
+  """Starts one server kind, runs each concurrency's warm and timed passes, stops it ->
+  its facts and {"points": {N: figures}}."""
   port = free_port()
-  url = f"http://127.0.0.1:{port}"
-  command = server_command(model_dir, port, window, windows,
-                           toy.PROMPT_LEN + args.max_tokens + largest - 1)
-  with tempfile.TemporaryFile("w+") as log:
-    begin = time.perf_counter()
-    proc = start_server(command, url, log)
-    print(f"--window {window}: up in {time.perf_counter() - begin:.0f} s", flush=True)
-    loads = {}
-    try:
-      for n, own in prompts.items():
-        # warm-up, right before the timed passes: it compiles and calibrates the batch
-        # buckets and the moves between them that this load goes through
-        warm_s = run_load(url, own, args.max_tokens, args.duration_s)[1]
-        passes = [run_load(url, own, args.max_tokens, args.duration_s)
-                  for _ in range(args.repeats)]
-        loads[n] = max(passes, key=lambda p: sum(r["completion_tokens"] for r in p[0]) / p[1])
-        print(f"--window {window}: N={n} warm-up {warm_s:.1f} s, timed passes "
-              + " ".join(f"{wall_s:.2f}" for _, wall_s in passes) + " s", flush=True)
-    except BaseException:
-      proc.kill()
-      proc.wait()
-      print(f"{' '.join(command)}: the load failed; the server's log:\n{_tail(log)}",
-            file=sys.stderr, flush=True)
-      raise
-    code = stop_server(proc)
-    if code != 0:
-      print(f"the --window {window} server exited {code} after SIGTERM:\n{_tail(log)}",
-            flush=True)
-  return loads, {"command": command, "exit_code": code}
-
-
-def load_peer(model_dir: str, threads: int):
-  """transformers' model of the exported directory (float32, CUDA when torch has it,
-  EOS off; threads: torch's CPU threads, 0: its default) -> (model, facts)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
-  if threads:
-    torch.set_num_threads(threads)
-  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                            dtype=torch.float32).eval()
-  if torch.cuda.is_available():
-    model = model.to("cuda")
-  model.generation_config.eos_token_id = None  # as the servers' toy: exactly max_tokens
-  return model, {"peer_device": str(model.device), "torch_threads": torch.get_num_threads(),
-                 "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def peer_figures(model, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
-  """transformers' greedy generate at batch len(prompts): best of `repeats` timings."""
-  call = sample.transformers_generate(model, prompts, max_new=max_tokens)
-  seconds, outputs = sample.best_times({"peer": call}, repeats, isolated=("peer",))
-  tokens = sum(map(len, outputs["peer"][0]))
-  return {"batch": len(prompts), "seconds": seconds["peer"],
-          "tokens_per_s": tokens / seconds["peer"]}
-
-
-def same_texts(a: list[dict], b: list[dict]) -> tuple[bool, int]:
-  """Whether the requests both loads sent (same (client, request) key: same prompt)
-  got the same text -> (all equal and at least one, how many compared)."""
-  texts = {r["key"]: r["text"] for r in b}
-  common = [r for r in a if r["key"] in texts]
-  return bool(common) and all(r["text"] == texts[r["key"]] for r in common), len(common)
-
-
-def _ms(row: dict, name: str) -> str:
-  """The auto and W=1 figures `name` of a row, "auto/W=1" ("-": none measured)."""
-  values = [row[kind][name] for kind in KINDS]
-  return "/".join("-" if v is None else f"{v:.1f}" if v < 10 else f"{v:.0f}" for v in values)
-
-
-def print_table(rows: list[dict]) -> None:
-  """One line per N; latency columns in ms, auto/W=1."""
-  print(f"{'N':>4} {'auto tok/s':>10} {'W=1 tok/s':>10} {'HF tok/s':>10} {'auto/W=1':>8} "
-        f"{'W=1/HF':>7} {'req/s':>11} {'TTFT p50':>11} {'TTFT p99':>11} {'ITL p50':>11} "
-        f"{'ITL p99':>11} {'TPOT p50':>9} {'tok/fwd':>7} {'=AR':>4}   (auto/W=1, ms)")
-  for r in rows:
-    a, w, hf = r["auto"], r["w1"], r["transformers"]
-    req = f"{a['requests_per_s']:.1f}/{w['requests_per_s']:.1f}"
-    print(f"{r['clients']:>4} {a['tokens_per_s']:>10.0f} {w['tokens_per_s']:>10.0f} "
-          f"{hf['tokens_per_s']:>10.0f} {r['auto_over_w1']:>7.2f}x "
-          f"{r['w1_over_transformers']:>6.2f}x "
-          f"{req:>11} {_ms(r, 'ttft_p50_ms'):>11} {_ms(r, 'ttft_p99_ms'):>11} "
-          f"{_ms(r, 'itl_p50_ms'):>11} {_ms(r, 'itl_p99_ms'):>11} {_ms(r, 'tpot_p50_ms'):>9} "
-          f"{a['tokens_per_forward']:>7.2f} {'yes' if r['same_text_as_w1'] else 'NO':>4}",
+  if kind == PEER:
+    model = model_dir  # transformers serve answers for this name alone
+    launched = Launched(peer_command(model, port, args.peer_device), _env(),
+                        os.path.join(args.work_dir, f"server-{kind}.log"), port)
+  else:
+    model = args.served_model_name
+    launched = Launched(ours_command(model_dir, port, OURS[kind], model, args),
+                        _env(JAX_LOG_COMPILES="1"),
+                        os.path.join(args.work_dir, f"server-{kind}.log"), port)
+  facts = {"command": launched.command, "log": launched.log, "points": {}}
+  try:
+    facts.update(launched.wait_ready(args.startup_timeout_s))
+    start = ready_offset(launched.log, facts.pop("log_offset"))
+    shown = "" if facts["startup_s"] is None else f", startup_s {facts['startup_s']:.1f}"
+    print(f"{kind}: ready in {facts['ready_s']:.1f} s{shown}", flush=True)
+    for n in _ints(args.concurrency):
+      facts["points"][n] = bench_point(launched, kind, model, chats, n, pool, args)
+  finally:
+    facts.update(launched.stop(args.stop_timeout_s))
+    print(f"{kind}: exit code {facts['exit_code']}" + (" (killed)" if facts["killed"] else ""),
           flush=True)
+  if kind != PEER:
+    names = compiles(launched.log, start)
+    facts.update(compiles_after_ready=sum(names.values()), compiled=dict(names))
+  return facts
 
 
-def plot(rows: list[dict], path: str) -> None:
-  """Output tokens/s against N (log x) for the two servers and the peer."""
+def bench_point(launched: Launched, kind: str, model: str, chats: list, n: int, pool,
+                args) -> dict:
+  """One concurrency: warm pass, then the timed pass between two /metrics scrapes."""
+  load = (pool, args.client_procs, launched.url, model, chats, n)
+  warm, warm_s = run_pass(*load, args.warm_s, args.max_tokens)
+  ours = kind != PEER
+  before = scrape(launched.url) if ours else None
+  offset = os.path.getsize(launched.log)
+  records, wall_s = run_pass(*load, args.duration_s, args.max_tokens)
+  point = summarize(records, wall_s)
+  if ours:
+    point.update(per_forward(before, scrape(launched.url)),
+                 compiles_timed=sum(compiles(launched.log, offset).values()))
+  print(f"{kind} N={n}: warm {len(warm)} requests in {warm_s:.1f} s; timed "
+        f"{point['requests']} in {wall_s:.1f} s, {_fmt(point['output_tokens_per_s'])} tok/s, "
+        f"{point['failed']} failed", flush=True)
+  if point["failed"]:
+    print(f"  errors: {point['errors']}", flush=True)
+  return point
+
+
+# ---- in process ----------------------------------------------------------------------
+
+
+def engine_pass(server, prompts: list[list[int]], n: int, seconds: float,
+                max_tokens: int) -> dict:
+  """N users closed loop on a `Server` for `seconds` -> `summarize`'s figures with rows
+  and tokens per forward."""
+  begin = time.perf_counter()
+  open_, records, user_of = {}, [], {}
+  batch_forwards = request_forwards = 0
+
+  def send(u: int, j: int) -> None:
+    rid = server.submit(prompts[(u + j * n) % len(prompts)], max_new_tokens=max_tokens,
+                        temperature=0.0)
+    open_[rid] = {"sent": time.perf_counter(), "chunk_s": []}
+    user_of[rid] = (u, j)
+
+  for u in range(n):
+    send(u, 0)
+  while open_:
+    steps = int(server.decoded.steps)
+    updates = server.step()
+    batch_forwards += int(server.decoded.steps) - steps
+    now = time.perf_counter()
+    for update in updates:
+      rec = open_[update.request_id]
+      if update.tokens:
+        rec["chunk_s"].append(now - rec["sent"])
+      if update.done:
+        c = server.completed.pop(update.request_id)
+        del open_[update.request_id]
+        request_forwards += c.forwards
+        records.append({"chunk_s": rec["chunk_s"], "latency_s": now - rec["sent"],
+                        "tokens": len(c.tokens), "tokens_from": "engine",
+                        "finish_reason": c.finish_reason})
+        u, j = user_of.pop(update.request_id)
+        if now - begin < seconds:
+          send(u, j + 1)
+  point = summarize(records, time.perf_counter() - begin)
+  tokens = point["output_tokens"]
+  return {**point, "rows_per_forward": request_forwards / max(batch_forwards, 1),
+          "tokens_per_forward": tokens / max(request_forwards, 1)}
+
+
+def bench_in_process(model_dir: str, chats: list, points: list[int], args) -> dict:
+  """{kind: {N: figures}} of our kinds in this process (see the module doc)."""
+  # pylint: disable=import-outside-toplevel
+  from mars_jax.decoding.window_policy import WindowPolicy
+  from mars_jax.loading import chat_prompt_ids, load_model
+  from mars_jax.serve.engine import compilation_cache
+  from mars_jax.serve.server import Server
+  compilation_cache(None)  # our server's: the warmups below load what it compiled
+  model = load_model(model_dir)
+  prompts = [chat_prompt_ids(model.tokenizer, c) for c in chats]
+  out = {}
+  for kind, window in OURS.items():
+    policy = (WindowPolicy(*([_ints(args.windows)] if args.windows else []))
+              if window == "auto" else int(window))
+    largest = max(policy.windows) if window == "auto" else 1
+    context = min(model.config.max_position_embeddings, MAX_CONTEXT) + largest - 1
+    server = Server.from_model(model, batch_size=args.batch_size, min_batch_size=1,
+                               mode="lossless", window=policy, max_len=args.max_len or context)
+    begin = time.perf_counter()
+    server.warmup()  # as our server does before it is ready
+    print(f"in-process {kind}: warmup {time.perf_counter() - begin:.1f} s", flush=True)
+    out[kind] = {}
+    for n in points:
+      engine_pass(server, prompts, n, args.warm_s, args.max_tokens)
+      out[kind][n] = engine_pass(server, prompts, n, args.duration_s, args.max_tokens)
+      print(f"in-process {kind} N={n}: {_fmt(out[kind][n]['output_tokens_per_s'])} tok/s",
+            flush=True)
+  return out
+
+
+# ---- report --------------------------------------------------------------------------
+
+
+def rows(result: dict) -> list[dict]:
+  """One row per concurrency: each server's figures, in-process ones, and the ratios."""
+  servers, local = result["servers"], result["in_process"]
+  out = []
+  for n in result["concurrency"]:
+    row = {"concurrency": n, **{k: s["points"][n] for k, s in servers.items()}}
+    for kind in OURS:
+      if PEER in servers:
+        row[f"{kind}_over_{PEER}"] = _ratio(row[kind], row[PEER])
+      if n in local.get(kind, {}):
+        row[f"{kind}_in_process"] = local[kind][n]
+        row[f"{kind}_http_over_in_process"] = _ratio(row[kind], local[kind][n])
+    out.append(row)
+  return out
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+  """a's output tokens/s over b's (None when b has none)."""
+  return a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else None
+
+
+def _fmt(v) -> str:
+  if v is None or isinstance(v, int):
+    return "-" if v is None else str(v)
+  return f"{v:.2f}" if v < 10 else f"{v:.0f}"
+
+
+def print_table(result: dict) -> None:
+  """A markdown table, one row per concurrency: each cell "auto/w1/transformers" (the
+  last four "auto/w1"), latencies in ms; compiles: jax's during the timed pass."""
+  kinds = list(result["servers"])
+  print(f"\nmodel {result['model_dir']} ({result['prompts']} prompts, max_tokens "
+        f"{result['max_tokens']}): {'/'.join(kinds)}; ms; compiles in the timed pass")
+  head = ["N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50", "ITL p99",
+          "rows/fwd", "tok/fwd", "compiles", "ours/tf tok/s", "HTTP/in-proc tok/s"]
+  print("| " + " | ".join(head) + " |")
+  print("|" + "---|" * len(head))
+  for row in result["rows"]:
+    cells = [str(row["concurrency"])]
+    for name in ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
+                 "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms"):
+      cells.append("/".join(_fmt(row[k][name]) for k in kinds))
+    for name in ("rows_per_forward", "tokens_per_forward", "compiles_timed"):
+      cells.append("/".join(_fmt(row[k][name]) for k in OURS))
+    cells.append("/".join(_fmt(row.get(f"{k}_over_{PEER}")) for k in OURS))
+    cells.append("/".join(_fmt(row.get(f"{k}_http_over_in_process")) for k in OURS))
+    print("| " + " | ".join(cells) + " |")
+  for kind, s in result["servers"].items():
+    extra = (f", {s['compiles_after_ready']} compiles after ready" if kind in OURS else "")
+    print(f"{kind}: ready in {s['ready_s']:.1f} s, exit code {s['exit_code']}{extra}")
+  print(flush=True)
+
+
+def plot(result: dict, path: str) -> None:
+  """Output tokens/s against concurrency (log x), one line per server."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  clients = [r["clients"] for r in rows]
+  ns = result["concurrency"]
+  labels = {"auto": 'ours, window "auto"', "w1": "ours, W = 1",
+            PEER: "transformers serve --continuous-batching"}
   fig, ax = plt.subplots(figsize=(6, 4))
-  for key, label in (("auto", 'server, window "auto"'), ("w1", "server, W = 1"),
-                     ("transformers", "transformers generate (batch N)")):
-    ax.plot(clients, [r[key]["tokens_per_s"] for r in rows], marker="o", label=label)
+  for kind in result["servers"]:
+    ax.plot(ns, [r[kind]["output_tokens_per_s"] for r in result["rows"]], marker="o",
+            label=labels[kind])
   ax.set_xscale("log")
-  ax.set_xticks(clients, [str(n) for n in clients])
+  ax.set_xticks(ns, [str(n) for n in ns])
   ax.minorticks_off()
-  ax.set_xlabel("concurrent streaming clients N")
+  ax.set_xlabel("concurrent users (closed loop)")
   ax.set_ylabel("output tokens/s")
+  ax.set_title(f"{result['model_dir']} ({result['prompts']} prompts)", fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend()
   fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
 
 
+# ---- the run -------------------------------------------------------------------------
+
+
+def _versions() -> dict:
+  out = {}
+  for name in ("jax", "openai", "transformers", "torch"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
 def run(args) -> dict:
-  clients = sample._ints(args.clients)  # pylint: disable=protected-access
-  windows = sample._ints(args.windows)  # pylint: disable=protected-access
-  begin = time.perf_counter()
-  t = toy.train(length=toy.PROMPT_LEN + max(8, args.max_tokens), steps=args.train_steps,
-                seed=args.seed)
-  print(f"toy trained in {time.perf_counter() - begin:.0f} s", flush=True)
-  prompts = {n: np.reshape(t.prompts(n * args.requests_per_client, args.seed + n),
-                           (n, args.requests_per_client, toy.PROMPT_LEN)).tolist()
-             for n in clients}
-  facts = {"model": "toy", "train_steps": args.train_steps, "clients": clients,
-           "windows": windows, "max_tokens": args.max_tokens, "prompt_len": toy.PROMPT_LEN,
-           "requests_per_client": args.requests_per_client, "duration_s": args.duration_s,
-           "server_flags": list(SERVER_FLAGS), "jax": jax.__version__,
-           "jax_platforms": os.environ.get("JAX_PLATFORMS", ""), "cpu_count": os.cpu_count(),
-           "load_average": os.getloadavg()}
-  with tempfile.TemporaryDirectory(prefix="mars-serve-bench-") as tmp:
-    model_dir = toy.export(t, os.path.join(tmp, "toy"))
-    loads, servers = {}, {}
-    for kind, window in KINDS.items():
-      loads[kind], servers[kind] = bench_server(model_dir, window, windows, prompts, args)
-    peer, peer_facts = load_peer(model_dir, args.torch_threads)
-    facts.update(peer_facts)
-    rows = []
-    for n in clients:
-      row = {"clients": n, **{kind: summarize(*loads[kind][n]) for kind in KINDS},
-             "transformers": peer_figures(peer, [p[0] for p in prompts[n]], args.max_tokens,
-                                          args.repeats)}
-      row["same_text_as_w1"], row["compared"] = same_texts(loads["auto"][n][0],
-                                                           loads["w1"][n][0])
-      row["auto_over_w1"] = row["auto"]["tokens_per_s"] / row["w1"]["tokens_per_s"]
-      row["w1_over_transformers"] = (row["w1"]["tokens_per_s"]
-                                     / row["transformers"]["tokens_per_s"])
-      rows.append(row)
-  return {**facts, "servers": servers, "rows": rows}
+  model_dir = os.path.abspath(args.model or default_model(args.work_dir))
+  os.makedirs(args.work_dir, exist_ok=True)
+  prompts, chats = prompt_set(model_dir, args.prompts)
+  ns = _ints(args.concurrency)
+  local = ns if args.in_process == "all" else [n for n in _ints(args.in_process) if n in ns]
+  kinds = [*OURS, *([PEER] if args.peer == PEER else [])]
+  result = {"model_dir": model_dir, "prompts": prompts, "concurrency": ns,
+            **{k: getattr(args, k) for k in ("max_tokens", "duration_s", "warm_s",
+                                              "client_procs", "batch_size", "windows",
+                                              "max_len", "server_args", "peer_device")},
+            "versions": _versions(), "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(), "servers": {}, "in_process": {}}
+  spawn = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(args.client_procs, mp_context=spawn) as pool:
+    list(pool.map(client_ready, [1.0] * args.client_procs))
+    for kind in kinds:
+      result["servers"][kind] = bench_server(kind, model_dir, chats, pool, args)
+  if local:
+    result["in_process"] = bench_in_process(model_dir, chats, local, args)
+  result["rows"] = rows(result)
+  return result
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m mars_jax.bench serve", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default=None,
+                 help="an HF directory (default: the embedded default, trained under "
+                      "--work-dir)")
+  p.add_argument("--work-dir", default=os.path.join("runs", "bench_serve"),
+                 help="the default model's run, the servers' logs")
+  p.add_argument("--prompts", choices=["auto", "task", "chat"], default="auto")
+  p.add_argument("--concurrency", default="1,4,16,64,256", help="comma list of users N")
+  p.add_argument("--duration-s", type=float, default=25.0, help="timed pass per N")
+  p.add_argument("--warm-s", type=float, default=10.0, help="untimed pass per N, before it")
+  p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--client-procs", type=int, default=2, help="client processes")
+  p.add_argument("--batch-size", type=int, default=64, help="our server's --batch-size")
+  p.add_argument("--windows", default="",
+                 help="our --window auto's --windows (default: the server's; in process "
+                      "1,2,3,5)")
+  p.add_argument("--max-len", type=int, default=0,
+                 help="our server's --max-len (default: the server's, the model's context, "
+                      f"at most {MAX_CONTEXT}, + W - 1)")
+  p.add_argument("--served-model-name", default="bench", help="our server's model name")
+  p.add_argument("--server-args", default="", help="more flags for our server, one string")
+  p.add_argument("--peer", choices=[PEER, "none"], default=PEER)
+  p.add_argument("--peer-device", default="cpu", help="transformers serve --device")
+  p.add_argument("--in-process", default="64",
+                 help="the N also run in this process ('all', or a comma list; '' none)")
+  p.add_argument("--startup-timeout-s", type=float, default=1800.0,
+                 help="for /health 200 (a cold warmup at batch 64 on a few CPU cores is long)")
+  p.add_argument("--stop-timeout-s", type=float, default=90.0,
+                 help="SIGTERM to SIGKILL (our graceful shutdown takes up to 30 s)")
+  p.add_argument("--out", default="bench_serve.json", help="JSON of everything")
+  p.add_argument("--plot", default="", help="PNG of output tokens/s against N")
+  return p
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m mars_jax.bench serve", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--clients", default="1,4,16,64", help="comma list of concurrent clients N")
-  p.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request")
-  p.add_argument("--requests-per-client", type=int, default=4)
-  p.add_argument("--duration-s", type=float, default=60.0,
-                 help="a client starts no request past this many seconds of a load")
-  p.add_argument("--windows", default="1,2,3,5", help='the W that window "auto" picks among')
-  p.add_argument("--repeats", type=int, default=3,
-                 help="timed passes of each load, timings of the peer; the best counts")
-  p.add_argument("--torch-threads", type=int, default=0,
-                 help="torch CPU threads for the peer (0: torch's default); on a CPU shared "
-                      "with other jobs, 1 avoids OpenMP barrier stalls")
-  p.add_argument("--train-steps", type=int, default=150, help="the toy's training steps")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="bench_serve.json", help="JSON results file")
-  p.add_argument("--plot", default="", help="PNG of output tokens/s against N")
-  args = p.parse_args(argv)
-  jax.config.update("jax_platforms", "cpu")  # before any JAX use: see the module doc
-  print(f"clients={args.clients} max_tokens={args.max_tokens} requests_per_client="
-        f"{args.requests_per_client} windows={args.windows} cpus={os.cpu_count()} "
-        f"load={os.getloadavg()[0]:.1f}; peer: transformers generate at batch N; "
-        "=AR: the auto server's texts equal the W=1 server's", flush=True)
+  args = parser().parse_args(argv)
   result = run(args)
-  print_table(result["rows"])
+  print_table(result)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {args.out}")
   if args.plot:
-    plot(result["rows"], args.plot)
+    plot(result, args.plot)
     print(f"wrote {args.plot}")
-  if any(s["exit_code"] != 0 for s in result["servers"].values()):
-    sys.exit("a server did not exit 0 after SIGTERM (see above).")
+  codes = {k: s["exit_code"] for k, s in result["servers"].items()}
+  if any(codes[k] != 0 for k in OURS):
+    sys.exit(f"our server did not exit 0 after SIGTERM: {codes}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@
           MFU, decoding vs AR and vs the HBM roofline; --smoke for tiny shapes on CPU
   speculative  two-model decoding (AR or MARS drafter x AR or MARS target) vs the target
           alone, both trained on the embedded task
-  serve   the HTTP server (python -m mars_jax.serve) under N concurrent streaming
-          clients: window auto vs W=1 vs transformers' generate at batch N; TTFT, ITL
+  serve   the HTTP server (python -m mars_jax.serve) under N closed-loop users of the
+          openai client: window auto vs W=1 vs transformers serve --continuous-batching;
+          what vllm bench serve reports, rows per forward, compiles after ready
 """
 
 import importlib

@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--round-steps", type=int, default=8,
                  help="decoding steps per round: between two admissions and two stream "
                       "updates")
+  p.add_argument("--admit-steps", type=int, default=2,
+                 help="decoding steps per round while the batch has a free row (a request "
+                      "that arrives meanwhile starts at the next round)")
   p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
   p.add_argument("--cost-table", default=None,
                  help="JSON of step costs: read at start when it exists, written at exit")
@@ -160,7 +163,8 @@ def build_server(args):
       model, batch_size=args.batch_size, min_batch_size=args.min_batch_size,
       max_len=args.max_len or context + extra, window=policy,
       mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
-      round_steps=args.round_steps, max_window=max_window, drafter=drafter,
+      round_steps=args.round_steps, admit_steps=args.admit_steps, max_window=max_window,
+      drafter=drafter,
       draft_window=args.draft_window)
   return server, model
 

@@ -21,7 +21,9 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      the other rows keep decoding in the same forwards;
   3. decode: the policy picks W, at least the largest window a live request fixed
      (rounded up to one of the policy's windows or max_window, which bounds the
-     compiled variants); the loop runs `round_steps` steps, ending early when a row
+     compiled variants); the loop runs `round_steps` steps (`admit_steps` while the
+     batch has a free row: a request that arrives meanwhile starts sooner), ending
+     early when a row
      finishes and requests are waiting. The prefill steps run at max_window (its
      rows' own caps still hold; a lossless row's output is the same at every W),
      so their compiled variants do not multiply with the windows. Requests with window
@@ -133,7 +135,8 @@ class Server:
   `WindowPolicy` (it measures step costs when it first meets a bucket);
   mode: "gated" or "lossless" (see `sampling`); tau, metric: the gate of requests
   that do not give their own; prefill_chunk: width of the prefill steps (longer
-  prompts take several); round_steps: steps between two host round trips
+  prompts take several); round_steps: steps between two host round trips;
+  admit_steps: the steps of a round while the batch has a free row
   (a fixed window; a policy brings its own); mesh: the mesh to decode on (None: one
   device); tokenizer: decodes the text stop strings are found in (and
   `Completion.text`); max_stop_ids: stop ids a request may give; max_window: the
@@ -146,7 +149,8 @@ class Server:
                min_batch_size: int | None = None, max_len: int = 512,
                window: int | WindowPolicy | FixedWindow = 1, mode: Mode = "gated", tau: float = 1.0,
                metric: Metric = "probability", prefill_chunk: int = 64,
-               round_steps: int = 8, runtime: Runtime = DEFAULT_RUNTIME,
+               round_steps: int = 8, admit_steps: int = 2,
+               runtime: Runtime = DEFAULT_RUNTIME,
                mesh: Mesh | None = None, tokenizer=None,
                max_stop_ids: int = loop.STOP_BUCKET, max_window: int | None = None,
                drafter: speculative.Drafter | None = None, draft_window: int = 4):
@@ -185,6 +189,7 @@ class Server:
     self.buckets = [b for b in (self.min_batch << i for i in range(self.max_batch.bit_length()))
                     if b < self.max_batch] + [self.max_batch]
     self.harvest_width = self.policy.round_steps * (self.extra_slots + 1)
+    self.admit_steps = max(1, min(admit_steps, self.policy.round_steps))
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}
     self._requests: dict[int, Request] = {}
@@ -393,6 +398,7 @@ class Server:
         eos_ids=self.eos_ids, mask_token_id=self.mask_token_id, mode=self._kernel_mode(live),
         measure=self.measure, real_slots=width, wide_steps=prefill_steps, wide_window=self.max_window,
         stop_on_finish=bool(self.queue), min_window=floor, runtime=self.runtime,
+        steps=self.admit_steps if self.active < len(self.slots) else None,
         mesh=self.mesh)
     return self._harvest(before)
 

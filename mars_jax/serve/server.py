@@ -188,7 +188,10 @@ class Server:
                      speculative.Model(drafter.config, drafter.runtime))
     self.buckets = [b for b in (self.min_batch << i for i in range(self.max_batch.bit_length()))
                     if b < self.max_batch] + [self.max_batch]
-    self.harvest_width = self.policy.round_steps * (self.extra_slots + 1)
+    # a round's steps (its prefill steps for the longest prompt, then round_steps) each
+    # commit at most extra_slots + 1 tokens a row
+    self.harvest_width = min(max_len, (self.policy.round_steps + math.ceil(
+        max_len / prefill_chunk)) * (self.extra_slots + 1))
     self.admit_steps = max(1, min(admit_steps, self.policy.round_steps))
     self.queue: collections.deque[Request] = collections.deque()
     self.completed: dict[int, Completion] = {}

@@ -119,7 +119,6 @@ class Completion:
   finish_reason: str = "length"
   text: str | None = None
   drafter_forwards: int = 0  # with a drafter: the drafter forwards it drafted in
-  stopped: bool = False      # a stop string ended it
 
   @property
   def tokens_per_forward(self) -> float:
@@ -471,11 +470,11 @@ class Server:
 
   def _finish(self, row: int, rid: int, reason: str, drafted: int) -> None:
     request, stream = self._requests[rid], self._streams[rid]
-    stopped = self.scan.stopped[row]
     text = None if self.tokenizer is None else stops.text(
-        self.tokenizer, stream.tokens, request.stop, reason=reason, stopped=stopped)
+        self.tokenizer, stream.tokens, request.stop, reason=reason,
+        stopped=self.scan.stopped[row])
     self.completed[rid] = Completion(rid, stream.tokens, stream.forwards, reason, text,
-                                     drafted, stopped)
+                                     drafted)
     self._forget(rid)
     self._cancelled.discard(rid)
     self.slots[row] = None

@@ -12,6 +12,7 @@ from qwen_tokenizers import make_qwen_checkpoint
 from test_http_server import NAME, Live, chat, complete
 
 from mars_jax import generate, sampling
+from mars_jax.serve import __main__ as serve_cli
 from mars_jax.loading import chat_prompt_ids, load_model
 
 PROMPTS = ["Tell me a story.", "What is 2+3?"]
@@ -54,6 +55,15 @@ def test_a_drafter_with_another_tokenizer_is_refused(capsys, models):
     generate.main(["--model", models["target"], "--drafter", models["qwen3"], "--prompt", "x"])
   assert e.value.code == 2
   assert "the drafter's tokenizer is not the target's" in capsys.readouterr().err
+
+
+def test_serve_with_a_drafter_refuses_an_explicit_warmup(capsys, models):
+  """Warmup covers one-device serving without a drafter: asked for with --drafter, it is
+  an argument error before anything loads (the default then compiles on first use)."""
+  with pytest.raises(SystemExit) as e:
+    serve_cli.main(["--model", models["target"], "--drafter", models["drafter"], "--warmup"])
+  assert e.value.code == 2
+  assert "--warmup covers one-device serving without a drafter" in capsys.readouterr().err
 
 
 def test_http_server_with_a_drafter_answers_with_the_targets_text(models):

@@ -11,7 +11,7 @@ Requests join free rows of the running batch between rounds, each with its own t
 window, gate and mode (body fields; their defaults here). --window auto (the default)
 picks W every round from the live batch (`WindowPolicy` over --windows).
 
---warmup (the default) compiles every batch, prompt and window variant the server can
+--warmup (the default, except with --drafter or --mesh) compiles every batch, prompt and window variant the server can
 meet before it says it is ready, and times each batch's windows for --window auto
 (or reads --cost-table); compiled programs go to JAX's persistent compilation cache
 (--compilation-cache), so a second start loads them. GET /health answers 503 until
@@ -94,8 +94,9 @@ def parser() -> argparse.ArgumentParser:
                  help="seconds in-flight requests get to finish after SIGTERM")
   p.add_argument("--max-queued", type=int, default=256,
                  help="requests that may wait for a row; past it, 503 with Retry-After")
-  p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                 help="compile every variant before answering /health 200 (default: on)")
+  p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                 help="compile every variant before answering /health 200 (default: on, "
+                      "except with --drafter or --mesh, which compile on first use)")
   p.add_argument("--warmup-prompt-len", type=int, default=None,
                  help="the longest prompt warmup compiles for (default: --max-len - 1)")
   p.add_argument("--compilation-cache", default=None,
@@ -202,6 +203,11 @@ def main(argv=None) -> None:
     p.exit(2, f"{p.prog}: error: --model {args.model}: no such file or directory\n")
   if args.max_queued < 0:
     p.error(f"--max-queued={args.max_queued}; it must be >= 0.")
+  if args.warmup and (args.drafter or args.mesh):
+    p.error("--warmup covers one-device serving without a drafter; drop it (or pass "
+            "--no-warmup) with --drafter or --mesh.")
+  if args.warmup is None:
+    args.warmup = not (args.drafter or args.mesh)
   try:
     defaults = generation_defaults(args.model) if args.generation_config == "auto" else {}
   except (ValueError, FileNotFoundError) as e:

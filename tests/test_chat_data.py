@@ -6,6 +6,7 @@ behave like the published ones).
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,32 +69,85 @@ def test_qwen25_targets_are_each_reply_and_its_im_end(qwen25, system):
   assert (qt.DEFAULT_SYSTEM in text) == (system is None)     # the default prompt, no target
 
 
-def test_qwen3_targets_skip_the_think_scaffolding_and_stripped_reasoning(qwen3):
-  """Non-thinking and thinking turns: the replies, the last turn's reasoning, and
-  <|im_end|> are targets; the empty think block, the think tags and the reasoning the
-  template strips from earlier turns are not."""
-  chat = [{"role": "user", "content": "What is 2+3?"},
-          {"role": "assistant", "content": "5", "reasoning_content": "2 plus 3."},
-          {"role": "user", "content": "And 4+4?"},
-          {"role": "assistant", "content": "8", "reasoning_content": "Four twice."}]
-  ex = format_chats(qwen3, [chat])[0]
+THINKING = [{"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": "5", "reasoning_content": "2 plus 3."},
+            {"role": "user", "content": "And 4+4?"},
+            {"role": "assistant", "content": "8", "reasoning_content": "Four twice."}]
+
+
+def test_qwen3_targets_a_thinking_turn_whole_and_skip_the_empty_think_block(qwen3):
+  """A thinking turn's targets are everything the model writes after
+  `<|im_start|>assistant\n`: `<think>`, the reasoning, `</think>`, their newlines, the
+  reply and <|im_end|>. The empty think block of a non-thinking turn and the reasoning
+  the template strips from earlier turns are not targets."""
+  ex = format_chats(qwen3, [THINKING])[0]
   text = qwen3.decode(ex["tokens"])
   assert "2 plus 3." not in text                              # stripped by the template
   assert "<think>\nFour twice.\n</think>\n\n8<|im_end|>" in text
-  # ".\n" is one token that straddles the reasoning's end: a target by the overlap rule
-  assert targets(qwen3, ex) == ["5<|im_end|>", "Four twice.\n", "8<|im_end|>"]
+  assert targets(qwen3, ex) == ["5<|im_end|>", "<think>\nFour twice.\n</think>\n\n8<|im_end|>"]
   plain = format_chats(qwen3, [MULTI])[0]
   assert "<think>\n\n</think>\n\n4+4 = 8" in qwen3.decode(plain["tokens"])
   assert targets(qwen3, plain) == ["2+3 = 5.<|im_end|>", "4+4 = 8, twice four.<|im_end|>"]
-  ids = qwen3.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+  ids = qwen3.apply_chat_template(THINKING, tokenize=True, return_dict=True)["input_ids"]
   assert ex["tokens"].tolist() == list(ids)
   think = [qwen3.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
-  assert not ex["loss_mask"][np.isin(ex["tokens"], think)].any()
+  assert ex["loss_mask"][np.isin(ex["tokens"], think)].all()
+  assert not plain["loss_mask"][np.isin(plain["tokens"], think)].any()
 
 
-def test_inline_think_is_split_by_qwen3_and_kept_whole_by_chatml(qwen3, qwen25):
+def test_qwen3_thinking_turn_every_token_from_think_to_im_end_is_a_target(qwen3):
+  im_start, im_end, think = (qwen3.convert_tokens_to_ids(t)
+                             for t in ("<|im_start|>", "<|im_end|>", "<think>"))
+  # (a) thinking mode: one run of targets, from <think> through <|im_end|>
+  chat = _chat(("user", "4+4?"))
+  chat.append({"role": "assistant", "content": "It is 8.",
+               "reasoning_content": "Four and four\nmake eight."})
+  for kwargs in ({}, {"enable_thinking": True}):
+    ex = format_chats(qwen3, [chat], template_kwargs=kwargs)[0]
+    tokens, mask = ex["tokens"].tolist(), ex["loss_mask"]
+    first = tokens.index(think)
+    last = len(tokens) - 1 - tokens[::-1].index(im_end)
+    assert tokens[first - 3:first] == [im_start, *qwen3.encode("assistant\n")]
+    assert np.flatnonzero(mask).tolist() == list(range(first, last + 1))
+    assert qwen3.decode(ex["tokens"][mask]) == (
+        "<think>\nFour and four\nmake eight.\n</think>\n\nIt is 8.<|im_end|>")
+  # (b) the empty block of a turn without reasoning, whatever enable_thinking says
+  for kwargs in ({}, {"enable_thinking": False}):
+    ex = format_chats(qwen3, [_chat(("user", "4+4?"), ("assistant", "8"))],
+                      template_kwargs=kwargs)[0]
+    assert qwen3.decode(ex["tokens"]).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n8<|im_end|>\n")
+    assert targets(qwen3, ex) == ["8<|im_end|>"]
+  # (c) reasoning the template drops (an earlier turn) gives no target; the reply does
+  ex = format_chats(qwen3, [THINKING])[0]
+  assert "2 plus 3." not in qwen3.decode(ex["tokens"])
+  assert targets(qwen3, ex)[0] == "5<|im_end|>"
+  assert qwen3.decode(ex["tokens"]).count("<think>") == 1
+
+
+def mask_dump(tok, ex) -> str:
+  """The chat's tokens, each target as `[tok]`, a newline character shown as `\\n`,
+  one line per assistant turn (the form of docs/data.md)."""
+  out = "".join(f"[{s}]" if m else s for s, m in (
+      (tok.decode([int(t)]).replace("\n", "\\n"), m)
+      for t, m in zip(ex["tokens"], ex["loss_mask"])))
+  return out.replace("<|im_start|>assistant", "\n<|im_start|>assistant")
+
+
+def test_the_qwen3_mask_dump_of_docs_data_md(qwen3):
+  doc = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+  block = doc.split("One Qwen3 chat on the real vocabulary", 1)[1]
+  block = block.split("```\n", 1)[1].split("```", 1)[0]
+  chat = [{"role": "system", "content": "Be brief."}] + THINKING
+  assert block == mask_dump(qwen3, format_chats(qwen3, [chat])[0]) + "\n"
+
+
+def test_inline_think_is_one_target_span_in_qwen3_and_chatml(qwen3, qwen25):
+  """Qwen3 moves `<think>...</think>` leading the content into its think block, which is
+  one target with the reply; ChatML renders the content verbatim, tags and all."""
   chat = _chat(("user", "4+4?"), ("assistant", "<think>\nfour and four\n</think>\n\n8"))
-  assert targets(qwen3, format_chats(qwen3, [chat])[0]) == ["four and four", "8<|im_end|>"]
+  assert targets(qwen3, format_chats(qwen3, [chat])[0]) == [
+      "<think>\nfour and four\n</think>\n\n8<|im_end|>"]
   assert targets(qwen25, format_chats(qwen25, [chat])[0]) == [
       "<think>\nfour and four\n</think>\n\n8<|im_end|>"]
 
@@ -303,6 +357,9 @@ def test_one_probe_for_all_turns_equals_probing_each_piece(qwen25, qwen3, monkey
        {"role": "assistant", "content": "d", "reasoning_content": "why"}],
       [{"role": "user", "content": "q"}, {"role": "tool", "content": "t"},
        {"role": "assistant", "content": " spaced "}],
+      [{"role": "user", "content": "q"},
+       {"role": "assistant", "content": "a", "reasoning_content": "r1"},
+       {"role": "assistant", "content": "<think> r2 </think> b"}],
   ]
   fast = {(f, i): target_spans(tok, c) for f, tok in (("2.5", qwen25), ("3", qwen3))
           for i, c in enumerate(chats)}

@@ -8,9 +8,19 @@ content, and its reasoning (`reasoning_content`, or `<think>...</think>` leading
 content) when the template renders it. A token is a target when any of its characters
 lies in a span (so a token that straddles the start of a reply, e.g. the header's
 "\n" merged with a reply's leading "\n", is a target), and so is the special token
-that starts exactly where a turn's content ends (`<|im_end|>`). Everything else (system
-and user turns, role headers, default system prompts, Qwen3's empty
-`<think>\n\n</think>\n\n` and the think tags, the newline after `<|im_end|>`) is not.
+that starts exactly where a turn's content ends (`<|im_end|>`).
+
+A turn whose reasoning is rendered in a think block (Qwen3:
+`<think>\n{reasoning}\n</think>\n\n{reply}`) has one span, from its `<think>` tag
+through the end of the reply: after the generation prompt `<|im_start|>assistant\n`
+the model writes the tags, their newlines, the reasoning and the reply, so all of it
+is its output. (Only whitespace may lie between the tag and the reasoning, and only
+`</think>` and whitespace between the reasoning and the reply; a template that puts
+anything else there gets a reasoning span and a reply span.) A turn without
+reasoning, or whose reasoning the template drops, has its reply only: Qwen3's empty
+`<think>\n\n</think>\n\n` is scaffolding (the non-thinking generation prompt writes
+it), not output. Everything else (system and user turns, role headers, default system
+prompts, that empty block, the newline after `<|im_end|>`) is not a target.
 `train_on="last"` keeps only the last assistant turn's spans (the authors' setting).
 
 A two-turn chat with the character tokenizer, one column per token (S = <|im_start|>,
@@ -26,17 +36,16 @@ must be the only change, and the text between must be the piece as given, or, wh
 the template strips the piece (Qwen3 strips replies and reasoning of surrounding
 newlines), the piece without its leading and trailing whitespace. Content the
 template renders verbatim is one span, `<think>` tags included (ChatML); a template
-that splits `<think>r</think>reply` (Qwen3) gives a reasoning span and a reply span.
-Reasoning the template drops (Qwen3 strips it from turns before the last user
-query) is no target; content it drops or rewrites makes the record a
-"template_error".
+that splits `<think>r</think>reply` (Qwen3) gives a reasoning span and a reply span,
+joined with the tags around them into one span as above. Reasoning the template
+drops (Qwen3 strips it from turns before the last user query) is no target; content
+it drops or rewrites makes the record a "template_error".
 All pieces are first probed in one rendering, a distinct sentinel at each piece's
 start and end (`_spans_in_one_probe`); a chat where that is not a pure insertion is
 probed piece by piece (`_turn_spans`).
 
-`TokenizedSource` formats a whole list of sources once, at index time, into
-flat arrays (~5 bytes per token), so that lengths are checked before training
-and the training map only slices and pads.
+Whole sources of chats become examples in `examples.py` (in memory) and `cache.py`
+(the tokenized cache).
 """
 
 from __future__ import annotations
@@ -44,9 +53,6 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from grain.sources import RandomAccessDataSource
-
-from mars_jax.data.validation import DataStats
 
 TRAIN_ON = ("all", "last")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -123,10 +129,29 @@ class _Probe:
         "targets cannot be found; use a template that renders message content as given.")
 
 
+def _think_block(text: str, spans: list[Span]) -> list[Span]:
+  """A turn's [reasoning, reply] spans as one content span from the `<think>` tag that
+  opens the rendered block through the reply's end, when only whitespace lies between
+  that tag and the reasoning and only `</think>` and whitespace between the reasoning
+  and the reply (Qwen3's `<think>\nr\n</think>\n\nreply`); else `spans` unchanged."""
+  if len(spans) != 2 or spans[0][2] or not spans[1][2]:
+    return spans
+  (r0, r1, _), (c0, c1, _) = spans
+  at = r0
+  while at > 0 and text[at - 1].isspace():
+    at -= 1
+  tag = at - len(THINK_OPEN)
+  if (r1 <= r0 or tag < 0 or not text.startswith(THINK_OPEN, tag)
+      or text[r1:c0].strip() != THINK_CLOSE):
+    return spans
+  return [(tag, c1, True)]
+
+
 def _turn_spans(probe: _Probe, k: int) -> list[Span]:
   """The target spans of assistant turn k: its reasoning_content when rendered, and its
   content: one span when rendered verbatim, else its `<think>` reasoning (when the
-  template renders it) and the reply after `</think>`, each possibly stripped."""
+  template renders it) and the reply after `</think>`, each possibly stripped; a
+  rendered think block is then one span (`_think_block`)."""
   m = probe.messages[k]
   out: list[Span] = []
   if m.get("reasoning_content", "").strip():
@@ -145,7 +170,7 @@ def _turn_spans(probe: _Probe, k: int) -> list[Span]:
     span = whole or probe.span(k, "content", 0, len(content))
     if span is None:
       raise TemplateError(f"the chat template does not render messages[{k}]'s content")
-    return out + [(*span, True)]
+    return _think_block(probe.text, out + [(*span, True)])
   opened = content.rfind(THINK_OPEN, 0, cut)
   begin = opened + len(THINK_OPEN) if opened >= 0 else 0
   if content[begin:cut].strip():
@@ -155,7 +180,7 @@ def _turn_spans(probe: _Probe, k: int) -> list[Span]:
   span = probe.span(k, "content", cut + len(THINK_CLOSE), len(content))
   if span is None:
     raise TemplateError(f"the chat template does not render messages[{k}]'s reply")
-  return out + [(*span, True)]
+  return _think_block(probe.text, out + [(*span, True)])
 
 
 def target_spans(tokenizer, messages: Sequence[dict], *, train_on: str = "all",
@@ -184,11 +209,12 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
   rendering with a distinct sentinel at the start and the end of every piece at once;
   None when that rendering is anything but `text` with the sentinels inserted (a
   template that strips or splits a piece), and `_turn_spans` must probe piece by piece.
-  Reasoning whose two sentinels are both absent is dropped by the template."""
+  Reasoning whose two sentinels are both absent is dropped by the template; a rendered
+  think block is one span (`_think_block`), as there."""
   free = _free_marks(text)
-  probed, pieces = list(messages), []
+  probed, turn_pieces = list(messages), []
   for k in turns:
-    m = dict(probed[k])
+    m, pieces = dict(probed[k]), []
     fields = ([("reasoning_content", False)] if m.get("reasoning_content", "").strip()
               else []) + [("content", True)]
     for field, is_content in fields:
@@ -198,7 +224,8 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
       m[field] = start + m[field] + end
       pieces.append((start, end, is_content, messages[k][field]))
     probed[k] = m
-  marks = [c for start, end, _, _ in pieces for c in (start, end)]
+    turn_pieces.append(pieces)
+  marks = [c for pieces in turn_pieces for start, end, _, _ in pieces for c in (start, end)]
   rendered = render(tokenizer, probed, kwargs)
   if any(rendered.count(c) > 1 for c in marks):
     return None
@@ -207,12 +234,15 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
   found = sorted((rendered.find(c), c) for c in marks if c in rendered)
   at = {c: i - rank for rank, (i, c) in enumerate(found)}   # index in `text`
   spans = []
-  for start, end, is_content, value in pieces:
-    if start not in at and end not in at and not is_content:
-      continue
-    if start not in at or end not in at or text[at[start]:at[end]] != value:
-      return None
-    spans.append((at[start], at[end], is_content))
+  for pieces in turn_pieces:
+    turn = []
+    for start, end, is_content, value in pieces:
+      if start not in at and end not in at and not is_content:
+        continue
+      if start not in at or end not in at or text[at[start]:at[end]] != value:
+        return None
+      turn.append((at[start], at[end], is_content))
+    spans += _think_block(text, turn)
   return spans
 
 
@@ -280,66 +310,3 @@ def pad_id_of(tokenizer) -> int:
   if pad is None:
     raise ValueError("the tokenizer has neither a pad nor an eos token to pad with.")
   return int(pad)
-
-
-class TokenizedSource(RandomAccessDataSource):
-  """Formatted, length-checked examples of `sources`, built once.
-
-  Item i: {"tokens": int32[n_i], "loss_mask": bool[n_i]} with n_i <= max_length.
-  A chat the template cannot render verbatim is bad ("template_error"). A record
-  longer than `max_length` is cut to it and counted in `stats.truncated` when
-  `truncate`; it is bad ("too_long") when not, or when no target survives the cut. Sources need `__len__`, `__getitem__` -> chat record, and `where(i)`.
-  """
-
-  def __init__(self, sources: Sequence, tokenizer, stats: DataStats, *, max_length: int,
-               truncate: bool = True, chunk_size: int = 1024, train_on: str = "all",
-               template_kwargs: Mapping[str, Any] | None = None):
-    if max_length < 2:
-      raise ValueError(f"max_length={max_length}; expected at least 2.")
-    tokens, masks, lengths = [], [], []
-    for source in sources:
-      for begin in range(0, len(source), chunk_size):
-        idx, rendered = [], []
-        for i in range(begin, min(begin + chunk_size, len(source))):
-          try:
-            rendered.append(target_spans(tokenizer, source[i]["messages"],
-                                         train_on=train_on,
-                                         template_kwargs=template_kwargs))
-          except TemplateError as e:
-            stats.report_bad("template_error", source.where(i), str(e))
-            continue
-          idx.append(i)
-        for i, ex in zip(idx, tokenize_rendered(tokenizer, rendered)):
-          n = len(ex["tokens"])
-          if n > max_length:
-            if not truncate:
-              stats.report_bad("too_long", source.where(i),
-                               f"{n} tokens > max_length {max_length} (truncate=False)")
-              continue
-            if not ex["loss_mask"][:max_length].any():
-              stats.report_bad("too_long", source.where(i),
-                               f"{n} tokens; no assistant token within max_length "
-                               f"{max_length}")
-              continue
-            ex = {k: v[:max_length] for k, v in ex.items()}
-            stats.truncated += 1
-          tokens.append(ex["tokens"])
-          masks.append(ex["loss_mask"])
-          lengths.append(len(ex["tokens"]))
-    stats.kept += len(lengths)
-    self.max_length = max_length
-    self.lengths = np.asarray(lengths, np.int64)
-    self._offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-    self._tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
-    self._masks = np.concatenate(masks) if masks else np.zeros(0, bool)
-
-  def __len__(self) -> int:
-    return len(self.lengths)
-
-  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-    a, b = self._offsets[i], self._offsets[i + 1]
-    return {"tokens": self._tokens[a:b], "loss_mask": self._masks[a:b]}
-
-  @property
-  def num_tokens(self) -> int:
-    return int(self.lengths.sum())

@@ -69,8 +69,9 @@ import grain.experimental as grain_exp
 import ml_collections
 import numpy as np
 
-from mars_jax.data import formats, synthetic
-from mars_jax.data.chat import TRAIN_ON, TokenizedSource, pad_example, pad_id_of
+from mars_jax.data import cache, formats, synthetic
+from mars_jax.data.chat import TRAIN_ON, pad_example, pad_id_of
+from mars_jax.data.examples import CachedSource, TokenizedSource
 from mars_jax.data.sources import RecordsSource, expand_paths, open_file
 from mars_jax.data.validation import POLICIES, DataStats
 
@@ -94,6 +95,11 @@ def default_config() -> ml_collections.ConfigDict:
       "seed": 0,
       "num_epochs": placeholder(int),
       "on_bad": "skip",
+      "cache": True,
+      "cache_dir": placeholder(str),
+      "cache_hash": "sample",
+      "cache_workers": 0,
+      "cache_shard_records": cache.SHARD_RECORDS,
       "synthetic": {"num_train": 20000, "num_test": 500, "seed": 0, "test_fraction": 0.1,
                     "difficulty": "standard"},
   })
@@ -118,6 +124,13 @@ def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
       ("num_epochs", out["num_epochs"],
        out["num_epochs"] is None or is_int(out["num_epochs"], 1), "None or an int >= 1"),
       ("num_eval", out["num_eval"], is_int(out["num_eval"], 0), "an int >= 0"),
+      ("cache", out["cache"], isinstance(out["cache"], bool), "True or False"),
+      ("cache_hash", out["cache_hash"], out["cache_hash"] in ("sample", "full"),
+       '"sample" (the first and last MiB of each file) or "full"'),
+      ("cache_workers", out["cache_workers"], is_int(out["cache_workers"], 0),
+       "an int >= 0 (0: every core)"),
+      ("cache_shard_records", out["cache_shard_records"],
+       is_int(out["cache_shard_records"], 1), "an int >= 1"),
       ("source", out["source"], bool(out["source"]), '"synthetic" or data files'),
       ("synthetic.num_train", syn["num_train"], is_int(syn["num_train"], 1), "an int >= 1"),
       ("synthetic.num_test", syn["num_test"], is_int(syn["num_test"], 0), "an int >= 0"),
@@ -178,21 +191,25 @@ def _file_sources(spec, stats: DataStats, fmt: str) -> list:
   return [open_file(path, stats, fmt) for path in expand_paths(spec)]
 
 
-def _held_out(sources: list, num_eval: int, seed: int,
-              stats: DataStats) -> tuple[list, list]:
-  """Splits file sources into (train, eval) subsets, `num_eval` records to eval."""
-  sizes = [len(s) for s in sources]
+def _held_out_flags(sizes: list[int], num_eval: int, seed: int,
+                    stats: DataStats) -> list[np.ndarray]:
+  """Per file of `sizes` usable records, bool[size]: True on the `num_eval` records of
+  all the files that are held out for eval (a permutation drawn by `seed`)."""
   total = sum(sizes)
   if num_eval >= total:
     raise ValueError(f"data.num_eval={num_eval} leaves no training records of the {total} "
                      f"usable ones.\n{stats.summary()}")
   is_eval = np.zeros(total, bool)
   is_eval[np.random.default_rng(seed).permutation(total)[:num_eval]] = True
-  train, held = [], []
-  for source, flags in zip(sources, np.split(is_eval, np.cumsum(sizes)[:-1])):
-    train.append(_Subset(source, np.flatnonzero(~flags)))
-    held.append(_Subset(source, np.flatnonzero(flags)))
-  return train, held
+  return np.split(is_eval, np.cumsum(sizes)[:-1])
+
+
+def _held_out(sources: list, num_eval: int, seed: int,
+              stats: DataStats) -> tuple[list, list]:
+  """Splits file sources into (train, eval) subsets, `num_eval` records to eval."""
+  flags = _held_out_flags([len(s) for s in sources], num_eval, seed, stats)
+  return ([_Subset(s, np.flatnonzero(~f)) for s, f in zip(sources, flags)],
+          [_Subset(s, np.flatnonzero(f)) for s, f in zip(sources, flags)])
 
 
 @dataclasses.dataclass
@@ -202,8 +219,8 @@ class ChatData:
   `train`/`eval` items are {"tokens": int32[n], "loss_mask": bool[n]}, n <= L.
   """
   config: dict[str, Any]
-  train: TokenizedSource
-  eval: TokenizedSource | None
+  train: TokenizedSource | CachedSource
+  eval: TokenizedSource | CachedSource | None
   stats: DataStats
   pad_id: int
 
@@ -307,6 +324,74 @@ def _per_process(batch_size: int, count: int, global_batch: bool) -> int:
   return batch_size // count
 
 
+def cache_settings(cfg: Mapping[str, Any]) -> cache.Settings:
+  """What of a resolved data config goes into the tokenized cache's key."""
+  return cache.Settings(fmt=cfg["format"], train_on=cfg["train_on"],
+                        template_kwargs=json.dumps(cfg["chat_template_kwargs"],
+                                                   sort_keys=True),
+                        full_hash=cfg["cache_hash"] == "full",
+                        shard_records=cfg["cache_shard_records"])
+
+
+def cache_dir(cfg: Mapping[str, Any]) -> str:
+  return cfg["cache_dir"] or cache.default_dir()
+
+
+def prepare_cache(data_cfg: Mapping[str, Any], tokenizer, *, workers: int | None = None,
+                  report: cache.BuildReport | None = None) -> list[cache.FileCache]:
+  """Builds (or finds) the tokenized cache of every file of `data.source` and
+  `data.eval_source`; returns them opened and checked, the train files first.
+  With several JAX processes each builds its share and all wait for the rest."""
+  cfg = _resolve(data_cfg)
+  if cfg["source"] == "synthetic":
+    raise ValueError('data.source="synthetic" is generated in memory; the tokenized '
+                     "cache is for data files.")
+  paths = expand_paths(cfg["source"]) + (
+      expand_paths(cfg["eval_source"]) if cfg["eval_source"] is not None else [])
+  index, count = _shard(None, None)
+  return cache.ensure(paths, tokenizer, cache_settings(cfg), cache_dir=cache_dir(cfg),
+                      workers=cfg["cache_workers"] if workers is None else workers,
+                      process_index=index, process_count=count, barrier=_barrier,
+                      report=report)
+
+
+def _barrier() -> None:
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  multihost_utils.sync_global_devices("mars_jax data cache built")
+
+
+def _load_cached(cfg: dict[str, Any], tokenizer, stats: DataStats) -> ChatData:
+  """load_data over the tokenized cache: what it stores is read back as the in-memory
+  path would have found it (counts, bad records, the held-out split), then the row
+  length is applied; examples stay on disk until a batch reads them."""
+  n_train = len(expand_paths(cfg["source"]))
+  files = prepare_cache(cfg, tokenizer)
+  for file in files:
+    stats.records += file.records
+    for kind, where, reason in file.bad:
+      stats.report_bad(kind, where, reason)
+    if file.empty:
+      stats.report_bad("empty_file", file.path, "no records")
+  train_files, eval_files = files[:n_train], files[n_train:]
+  train_picks = [np.arange(len(f)) for f in train_files]
+  eval_picks = [np.arange(len(f)) for f in eval_files]
+  if cfg["num_eval"] and cfg["eval_source"] is None:
+    flags = _held_out_flags([f.num_valid for f in train_files], cfg["num_eval"],
+                            cfg["seed"], stats)
+    held = [flag[f.valid] for f, flag in zip(train_files, flags)]
+    train_picks = [np.flatnonzero(~h) for h in held]
+    eval_files, eval_picks = train_files, [np.flatnonzero(h) for h in held]
+  fit = functools.partial(CachedSource, stats=stats, max_length=cfg["max_length"],
+                          truncate=cfg["truncate"])
+  train = fit(train_files, train_picks)
+  held_out = fit(eval_files, eval_picks) if eval_files else None
+  data = ChatData(config=cfg, train=train, eval=held_out, stats=stats,
+                  pad_id=pad_id_of(tokenizer))
+  if not len(data.train):
+    raise ValueError(f"no training examples left in {cfg['source']!r}.\n{stats.summary()}")
+  return data
+
+
 def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
   """Reads, checks and tokenizes the train and eval examples of `data_cfg`.
 
@@ -316,6 +401,8 @@ def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
   """
   cfg = _resolve(data_cfg)
   stats = DataStats(on_bad=cfg["on_bad"])
+  if cfg["source"] != "synthetic" and cfg["cache"]:
+    return _load_cached(cfg, tokenizer, stats)
   if cfg["source"] == "synthetic":
     syn = cfg["synthetic"]
     kw = {"seed": syn["seed"], "test_fraction": syn["test_fraction"],

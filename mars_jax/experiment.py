@@ -59,6 +59,29 @@ def _model_and_tokenizer(cfg, runtime):
   return loaded.config, loaded.params, loaded.tokenizer, loaded.mask_token_id
 
 
+def data_tokenizer(cfg):
+  """The tokenizer a run of `cfg` tokenizes its data with (what `run` trains with,
+  `<|mask|>` added), without loading weights: `python -m mars_jax.data.prepare`."""
+  init = cfg.model.init
+  if init == "random":
+    if cfg.tokenizer in (None, *BUILDERS):
+      return build_tokenizer(cfg.tokenizer or "char")
+    config = train_config.random_model_config(cfg)
+    return hf.load_tokenizer(cfg.tokenizer, config.vocab_size,
+                             reserved_ids=_config_ids(config))[0]
+  if os.path.isfile(os.path.join(init, "config.json")):
+    config, tok_dir = hf.Qwen2Config.from_json_file(os.path.join(init, "config.json")), init
+  else:
+    run_dir = checkpoint.resolve_checkpoint(init)[0]
+    config = checkpoint.config_from_layout(checkpoint.read_layout(run_dir))[0]
+    tok_dir = checkpoint.tokenizer_dir(run_dir)
+  own = hf.load_tokenizer(tok_dir, config.vocab_size)[0]
+  if cfg.tokenizer in (None, *BUILDERS):
+    return own
+  return hf.load_tokenizer(cfg.tokenizer, config.vocab_size, reserved_ids=_config_ids(config),
+                           model_tokenizer=own, model_where=f"model.init={init}")[0]
+
+
 def source_generation_config(init: str) -> dict | None:
   """The generation_config.json of model.init: an HF directory's own, or the one a run
   saved with its tokenizer (None for random init, or when there is none)."""

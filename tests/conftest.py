@@ -1,11 +1,23 @@
 """Shared fixtures: tiny random Qwen2 and Qwen3 checkpoints written by transformers itself."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# the tokenized data cache of every test and CLI run, not the user's ~/.cache
+_DATA_CACHE = None if "MARS_JAX_DATA_CACHE" in os.environ else tempfile.mkdtemp(
+    prefix="mars_jax_data_cache.")
+os.environ.setdefault("MARS_JAX_DATA_CACHE", _DATA_CACHE or "")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  if _DATA_CACHE:
+    shutil.rmtree(_DATA_CACHE, ignore_errors=True)
+
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -454,13 +454,12 @@ def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: st
   units = [u for _, _, us, _ in todo for u in us]
   mine = [u for i, u in enumerate(units) if i % process_count == process_index]
   missing = [u for u in mine if not _is_committed(u)]
-  report.reused += len(units) - len(missing)
   workers = workers or os.cpu_count() or 1
   if missing:
     _LOG.info("data cache: tokenizing %d shards of %d records with %d workers into %s",
               len(missing), settings.shard_records, min(workers, len(missing)), cache_dir)
   _run(missing, tokenizer, settings, workers, _progress(time.perf_counter()))
-  report.built += len(missing)
+  built = len(missing)
   if process_count > 1:
     barrier()
     rest = [u for u in units if not _is_committed(u)]
@@ -468,11 +467,15 @@ def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: st
       _LOG.info("data cache: %d shards other processes built are not here (a cache_dir "
                 "not shared between hosts?); building them", len(rest))
       _run(rest, tokenizer, settings, workers, _progress(time.perf_counter()))
-      report.built += len(rest)
+      built += len(rest)
   for path, directory, us, any_record in todo:
     _commit(directory, us, any_record, path)
+  opened = [FileCache(os.path.join(cache_dir, key), path) for path, (key, _) in zip(paths, keys)]
+  report.built += built
+  shards = sum(len(f.manifest["shards"]) for f in {f.directory: f for f in opened}.values())
+  report.reused += shards - built
   report.seconds += time.perf_counter() - begin
-  return [FileCache(os.path.join(cache_dir, key), path) for path, (key, _) in zip(paths, keys)]
+  return opened
 
 
 def _progress(begin: float) -> Callable[[int, int], None]:

@@ -1,6 +1,7 @@
 """The data pipeline the trainer calls: config -> validated examples -> batches.
 
-  data = load_data(data_cfg, tokenizer)   # reads, checks, tokenizes everything now
+  data = load_data(data_cfg, tokenizer)   # reads and checks everything now (tokenized
+                                          # once into the cache, read lazily after)
   print(data.stats.summary())
   it = data.train_iterator(batch_size=32)  # grain DatasetIterator, endless or num_epochs
   batch = next(it)                         # see "Batches" below
@@ -39,6 +40,18 @@ an unknown key is an error):
   num_epochs    passes over the training set; None: repeat forever (use a step count).
   on_bad        "skip": skip bad records and report them in `stats`; "error": raise
                 BadInputError at load time naming the file and line of the first.
+  cache         True (the default): data files are tokenized once into the tokenized
+                cache (mars_jax/data/cache.py; `python -m mars_jax.data.prepare` builds
+                it ahead) and read from it lazily; False: tokenized in memory at every
+                load. The embedded task ("synthetic") is always generated in memory.
+  cache_dir     where the cache lives (None: $MARS_JAX_DATA_CACHE, else
+                ~/.cache/mars_jax/data); shared storage for several hosts.
+  cache_hash    "sample": a file's identity hashes its size, mtime and first and last
+                MiB; "full": every byte.
+  cache_workers processes that tokenize on each host (0: every core).
+  cache_shard_records
+                records per shard of the cache: the unit of parallel work and of what
+                a killed build loses.
   synthetic     the embedded task, for source="synthetic": num_train and num_test
                 problems, the split `seed`, `test_fraction` of problem identities
                 reserved for test, and `difficulty` ("standard" or "easy": smaller

@@ -1,4 +1,5 @@
-"""`python -m mars_jax.bench {step,sample,decode,device,serve,speculative} ...`: benchmarks vs a peer.
+"""`python -m mars_jax.bench {step,sample,decode,device,serve,speculative,data} ...`: benchmarks
+vs a peer.
 
   step    MARS train step vs AR-SFT step at equal (b, L); chunked vs naive loss memory
   sample  MARS decoding vs our jitted AR loop vs transformers' generate
@@ -11,6 +12,9 @@
   serve   the HTTP server (python -m mars_jax.serve) under N closed-loop users of the
           openai client: window auto vs W=1 vs transformers serve --continuous-batching;
           what vllm bench serve reports, rows per forward, compiles after ready
+  data    building and reading the training data: our tokenized cache (python -m
+          mars_jax.data.prepare --workers W, then a training start's first batch) vs
+          datasets' .map as TRL's SFTTrainer runs it, cold and warm, on N generated chats
 """
 
 import importlib
@@ -19,7 +23,8 @@ import sys
 _COMMANDS = {"step": "mars_jax.benchmarks.step", "sample": "mars_jax.benchmarks.sample",
              "device": "mars_jax.benchmarks.device", "decode": "mars_jax.benchmarks.decode_cost",
              "serve": "mars_jax.benchmarks.serve_load",
-             "speculative": "mars_jax.benchmarks.speculative"}
+             "speculative": "mars_jax.benchmarks.speculative",
+             "data": "mars_jax.benchmarks.data"}
 
 
 def main(argv=None) -> None:

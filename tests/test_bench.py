@@ -97,3 +97,29 @@ def test_bench_speculative_on_two_checkpoints(tmp_path, capsys):
   assert len(rows) == 7 and all(r["equal_to_ar"] and r["tokens_per_s"] > 0 for r in rows)
   assert [r["drafter_forwards_per_token"] > 0 for r in rows] == [False] * 3 + [True] * 4
   assert "| AR drafter + MARS target |" in capsys.readouterr().out
+
+
+def test_bench_data_small(tmp_path, capsys):
+  """`bench data` on 300 chats, ours with one build process (the peer, datasets' .map,
+  adds ~30 s: `--skip-peer`): every chat kept, as many tokens as the model's tokenizer
+  gives the chats rendered by its template (what the peer counts), and the warm start
+  read the cache without writing to it."""
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  from mars_jax.benchmarks import data as data_bench  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "data.json"
+  data_bench.main(["--chats", "300", "--workers-list", "1", "--work-dir", str(tmp_path),
+                   "--skip-peer", "--out", str(out)])
+  result = json.loads(out.read_text())
+  assert [(r["system"], r["workers"]) for r in result["rows"]] == [("ours", 1)]
+  row, warm = result["rows"][0], result["runs"][0]["warm"]
+  tok = AutoTokenizer.from_pretrained(result["model_dir"])
+  with open(result["chats"]["300"]["path"]) as f:
+    texts = [tok.apply_chat_template(json.loads(line)["messages"], tokenize=False)
+             for line in f]
+  assert len(texts) == row["kept"] == 300 and row["bad"] == 0
+  tokens = sum(map(len, tok(texts, add_special_tokens=False)["input_ids"]))
+  assert row["tokens"] == tokens > 300 * 200   # ~340 a chat
+  assert row["warm_cache_unchanged"] and warm["examples"] == 300
+  assert warm["batch_shape"] == [32, 2048] and warm["batch_targets"] > 0
+  assert row["cold_s"] > 0 and row["cold_peak_rss_mb"] > 0 and row["warm_first_batch_s"] > 0
+  assert "| 300 | ours | 1 |" in capsys.readouterr().out

@@ -65,7 +65,7 @@ from mars_jax.data.sources import (ARROW_STATE, JSONL_SUFFIXES, PARQUET_SUFFIXES
 _LOG = logging.getLogger(__name__)
 # 1: the first layout. 2: Qwen3 thinking turns' <think> tags and newlines are targets.
 FORMAT_VERSION = 2
-SHARD_RECORDS = 20_000
+SHARD_RECORDS = 5_000
 MANIFEST, KEY_FILE, META, BAD = "manifest.json", "key.json", "meta.json", "bad.jsonl"
 ARRAYS = ("tokens", "loss_mask", "offsets", "lines", "valid", "first_target")
 _SAMPLE_BYTES = 1 << 20

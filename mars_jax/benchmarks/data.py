@@ -1,0 +1,762 @@
+"""`python -m mars_jax.bench data`: building and reading the training data, ours against
+what users run today for the same work (`datasets` .map, as TRL's SFTTrainer does it), in
+one run.
+
+  python -m mars_jax.bench data [--chats 100000[,1000000]] [--workers-list 1,2]
+      [--work-dir runs/bench_data] [--seed 0] [--model HF_DIR] [--skip-peer]
+      [--peer-batched] [--out bench_data.json]
+
+Needs the test requirements (requirements-test.txt: dashscope ships the Qwen BPE ranks,
+torch writes the checkpoint): the model is tests/qwen_tokenizers.py's
+`make_qwen_checkpoint(DIR, "qwen2.5")`, a tiny random Qwen2 with the real Qwen2.5
+tokenizer and chat template, written once to WORK/qwen2.5-tiny (or --model DIR).
+
+Chats: WORK/chats-N-seedS.jsonl, N OpenAI records {"messages": [...]}, deterministic
+from the seed (numpy, one pass: ~35 s and 1.3 GB a million on one loaded core): a
+third with a system prompt, 1-3 user/assistant turns, English-like text from a word
+list (Zipf frequencies, capitals, commas, numbers, questions, paragraphs in replies),
+turn lengths varied per chat; ~340 tokens a chat with the Qwen2.5 template (median
+~300; the longest of 12,288 sampled, 864; a chat has at most 1,122 words, so none is
+cut at max_length 2048). A sidecar WORK/chats-N-seedS.json records N, the seed, the
+generator's version and the file's size; a file that matches it is reused.
+
+Per N and per W in --workers-list, each build into a fresh empty cache directory, and
+a warm start of a new process from that cache, then the directory is removed:
+
+  ours   cold: python -m mars_jax.data.prepare --config configs/tiny.py
+             --config.model.init=MODEL --config.data.source=CHATS
+             --config.data.max_length=2048 --config.data.cache_dir=CACHE --workers W
+         (its one summary line gives the records kept and the tokens)
+         warm: what training does at start: configs/tiny.py's config with those
+             overrides, `experiment.data_tokenizer(cfg)`, `load_data(cfg.data, tok)`
+             (which reads the cache), `next(data.train_iterator(batch_size=32, ...))`
+  peer   cold: `Dataset.from_json(CHATS, cache_dir=CACHE)` (HF_DATASETS_CACHE=CACHE
+             too), then `.map(fn, num_proc=W)`, fn = `tokenizer.apply_chat_template(
+             messages, tokenize=False)` then `tokenizer(text, add_special_tokens=False)`
+             -> input_ids (as TRL's SFTTrainer prepares conversational data: a .map,
+             one record per call; --peer-batched: batched=True); tokenizer =
+             AutoTokenizer.from_pretrained(MODEL); first batch `ds[:32]`
+         warm: the same in a new process on the same cache: datasets finds the Arrow
+             file and the map's cache files by fingerprint; the run checks that every
+             cache file of the mapped dataset existed before (`cache_hit`). To find
+             the fingerprint, datasets hashes the map function, the tokenizer it holds
+             included, cold or warm: ~5 s for Qwen2.5's on one CPU core, whatever N
+             (the JSON's map_s holds it).
+
+Not the same work: ours also finds each chat's assistant spans and stores the loss
+masks (the targets) with each record's offsets, line and first target, and checks
+every record (bad ones are counted and reported); the peer's plain
+tokenize has no targets (TRL computes an assistant mask only with
+`assistant_only_loss`, through `return_assistant_tokens_mask`, which needs a template
+with {% generation %} tags: Qwen2.5's has none). Both tokenize the same rendered text,
+so their token counts are equal.
+
+Figures (each cold build and warm start is a subprocess whose process tree, workers
+included, is polled every 0.2 s with psutil): cold wall s (process start to exit,
+imports included), chats/s and tokens/s, tokens/s per process (/ W), CPU s (user + sys
+of the tree), the peak of the tree's summed RSS (and summed PSS, which counts pages
+shared between forked workers once), the cache's size on disk; warm: import s and s to
+the first batch, both from process start, the tree's peak RSS, and the RSS growth
+attributable to the data (RSS after the first batch minus RSS before loading it, the
+tokenizer already loaded). Import s counts transformers' tokenizer modules for both
+systems (transformers imports them at first use, inside the tokenizer's loading); the
+JSON also has tokenizer_s (start to a loaded tokenizer). After the table: the cold
+speedup of each W over W=1 (ours cuts each file into shards of data.cache_shard_records,
+20,000 records by default, one process a shard: below 40,000 chats W=2 has nothing to
+share), and the peer's cold and warm seconds over ours.
+
+Hidden child modes (run by the bench itself): --child ours-warm | peer-cold | peer-warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from importlib import metadata
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GENERATOR_VERSION = 1
+CHUNK = 4096          # chats per generated chunk (part of the determinism: fixed)
+BATCH = 32            # the first batch's rows
+POLL_S = 0.2
+RESULT = "BENCH_DATA_RESULT "   # a child's last stdout line: this prefix, then JSON
+
+# ---- chats ---------------------------------------------------------------------------
+
+# Ordered roughly by frequency: the generator draws rank r with weight 1 / (r + 8).
+WORDS = list(dict.fromkeys("""
+the of and to a in is that for it you with as on be this are was or your can by not
+have from at but an they more if will we one all which about their has so there what
+when would also been other some these into time them only than its do how most may
+then should like out could first any make each use many just over because very well
+those both where after need new way work people such good here even through much while
+before same between different part same system data number example problem question
+answer point case group result value process change order model level form line place
+right set small large long high early last next own important possible general simple
+clear common local public real main free full open short true whole able sure best
+better known given found used called based made take give find think know look come
+keep start show help try ask turn move play run write read learn understand explain
+consider provide include follow allow create build check test measure compare describe
+support report describe choose decide plan prepare manage improve reduce increase
+remain become seem appear happen continue begin stop wait leave bring hold feel mean
+water food house city world home family friend school student teacher book story
+history science music art game team company market price money cost business service
+product customer office meeting project report budget schedule deadline week month
+year morning evening night day hour minute moment weekend holiday season summer winter
+spring autumn weather rain sun garden tree plant flower leaf soil seed fruit vegetable
+kitchen recipe dinner lunch breakfast bread rice pasta cheese coffee tea sugar salt oil
+flour oven pan knife table chair window door room floor wall roof street road car train
+bus bike ticket station airport flight hotel trip travel map country river mountain
+lake sea island coast beach forest field farm village town neighbourhood museum church
+library hospital doctor nurse patient health body heart head hand foot knee back pain
+sleep exercise running walking swimming training diet energy muscle habit routine
+computer program code function variable list loop error file folder server network
+database query table index memory disk screen keyboard phone message email password
+account website browser version update install setting option feature button menu
+language grammar word sentence paragraph letter name title page chapter author reader
+idea reason method approach strategy solution step stage goal task effort detail
+information knowledge experience skill practice lesson course exam grade class subject
+math physics chemistry biology economics law policy government election vote rule
+community society culture tradition language history war peace power energy light heat
+sound color shape size weight distance speed direction position area space surface
+edge corner center side top bottom front middle inside outside above below near far
+quick slow easy hard cheap expensive warm cold hot dry wet fresh old young new great
+little big bright dark heavy light quiet loud safe dangerous careful honest kind polite
+friendly helpful useful practical popular traditional modern recent current final
+basic specific particular similar typical necessary available certain likely unlikely
+usually often sometimes rarely always never already still almost quite rather really
+probably perhaps especially actually simply exactly nearly mostly slightly instead
+however therefore although unless whether though since until during without within
+across along around behind beyond toward against among despite except including
+maybe please thanks sorry yes okay hello
+""".split()))
+
+# Numbers as they appear in chats.
+NUMBERS = ("2 3 4 5 6 7 8 10 12 15 20 24 25 30 40 50 60 90 100 120 150 200 250 300 500 "
+           "1000 1500 2000 2020 2023 2024 3.5 1.2 0.5 10% 15% 50% $20 $99 $1,200 7:30 "
+           "9am 5pm 3pm 2nd 3rd 10th").split()
+
+_SYSTEMS_FIRST = '{"messages": [{"role": "system", "content": "'
+_USER_FIRST = '{"messages": [{"role": "user", "content": "'
+_TAIL = '"}]}\n'
+# separators after a word: inside a sentence, then (punctuation x (space, paragraph, end))
+_INNER = (" ", ", ")
+_ENDS = tuple(p + s for s in (" ", "\\n\\n", "") for p in (".", "?", "!"))
+_HEADS = (_SYSTEMS_FIRST, _USER_FIRST, _TAIL + _SYSTEMS_FIRST, _TAIL + _USER_FIRST,
+          '"}, {"role": "user", "content": "', '"}, {"role": "assistant", "content": "')
+
+
+def _items() -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+  """The generator's pieces: (bytes uint8[total], starts int64[k], lengths int64[k],
+  {kind: first id}) for words, Capitalised words, numbers, separators, ends, headers."""
+  pieces, first = [], {}
+  for kind, group in (("word", WORDS), ("cap", [w[:1].upper() + w[1:] for w in WORDS]),
+                      ("num", NUMBERS), ("inner", _INNER), ("end", _ENDS),
+                      ("head", _HEADS), ("tail", (_TAIL,))):
+    first[kind] = len(pieces)
+    pieces.extend(group)
+  encoded = [p.encode() for p in pieces]
+  lengths = np.array([len(b) for b in encoded], np.int64)
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+  return np.frombuffer(b"".join(encoded), np.uint8), starts, lengths, first
+
+
+_ITEMS = _items()
+# word ids at the Zipf frequencies 1 / (rank + 8), as a table of 2^16 equally likely slots
+_ZIPF = np.minimum(np.searchsorted(
+    np.cumsum(1.0 / (np.arange(len(WORDS)) + 8.0)) / np.sum(1.0 / (np.arange(len(WORDS)) + 8.0)),
+    (np.arange(1 << 16) + 0.5) / (1 << 16)), len(WORDS) - 1).astype(np.int32)
+
+
+def _chunk(seed: int, index: int, n: int) -> bytes:
+  """The JSONL bytes of chats [index * CHUNK, index * CHUNK + n)."""
+  blob, starts, lengths, first = _ITEMS
+  rng = np.random.default_rng([seed, index])
+  v = len(WORDS)
+  has_sys = rng.random(n) < 1 / 3
+  turns = rng.integers(1, 4, n)
+  verbose = np.clip(rng.lognormal(0.0, 0.6, n), 0.25, 3.0)  # per chat: long or terse
+  per_chat = has_sys + 2 * turns
+  chat = np.repeat(np.arange(n), per_chat)
+  k = np.arange(len(chat)) - np.repeat(np.cumsum(per_chat) - per_chat, per_chat)
+  role = np.where(has_sys[chat] & (k == 0), 0, 1 + (k - has_sys[chat]) % 2)  # sys/user/asst
+  m = len(chat)
+  sentences = np.select(
+      [role == 0, role == 1],
+      [1 + rng.binomial(2, 0.4, m),
+       np.clip(1 + rng.poisson(1.3 * verbose[chat]), 1, 4)],
+      np.clip(1 + rng.poisson(7.0 * verbose[chat]), 2, 12))
+  msg_of = np.repeat(np.arange(m), sentences)
+  words = np.clip(np.round(rng.gamma(4.0, 3.0, len(msg_of))), 3, 22).astype(np.int64)
+  sent_of = np.repeat(np.arange(len(msg_of)), words)
+  total = len(sent_of)
+  ids = _ZIPF[rng.integers(0, len(_ZIPF), total, dtype=np.uint16)].astype(np.int64)
+  numbers = rng.random(total) < 0.025
+  ids[numbers] = first["num"] + rng.integers(0, len(NUMBERS), numbers.sum())
+  sent_first = np.cumsum(words) - words               # word index of each sentence start
+  capital = ids[sent_first] < v
+  ids[sent_first[capital]] += first["cap"]
+  seps = np.full(total, first["inner"], np.int64)
+  seps[rng.random(total) < 0.07] += 1                  # ", "
+  last_word = np.cumsum(words) - 1
+  srole = role[msg_of]
+  punct = np.where(rng.random(len(msg_of)) < np.where(srole == 1, 0.3, 0.06),
+                   1, np.where(rng.random(len(msg_of)) < 0.04, 2, 0))
+  msg_last = np.zeros(len(msg_of), bool)
+  msg_last[np.cumsum(sentences) - 1] = True
+  paragraph = (srole == 2) & (rng.random(len(msg_of)) < 0.2)
+  variant = np.where(msg_last, 2, np.where(paragraph, 1, 0))
+  seps[last_word] = first["end"] + 3 * variant + punct
+  stream = np.empty(2 * total, np.int64)
+  stream[0::2], stream[1::2] = ids, seps
+  msg_first_word = (np.cumsum(sentences) - sentences)
+  msg_first_word = (np.cumsum(words)[msg_first_word] - words[msg_first_word])
+  head = np.where(role == 0, 0, np.where(role == 1, 1, 5))
+  head = np.where(k == 0, head, np.where(role == 1, 4, 5))
+  head[(k == 0) & (chat > 0)] += 2                     # closes the previous chat
+  stream = np.insert(stream, 2 * msg_first_word, first["head"] + head)
+  stream = np.append(stream, first["tail"])
+  lens = lengths[stream]
+  ends = np.cumsum(lens)
+  gather = np.repeat(starts[stream] - (ends - lens), lens) + np.arange(ends[-1])
+  return blob[gather].tobytes()
+
+
+def write_chats(path: str, n: int, seed: int) -> None:
+  """Writes n chats (JSONL) to `path` in one pass, via a temporary sibling."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "wb") as f:
+    for index, begin in enumerate(range(0, n, CHUNK)):
+      f.write(_chunk(seed, index, min(CHUNK, n - begin)))
+  os.replace(tmp, path)
+
+
+def chats_file(work_dir: str, n: int, seed: int) -> tuple[str, float | None]:
+  """(WORK/chats-N-seedS.jsonl, seconds it took to write or None when reused)."""
+  os.makedirs(work_dir, exist_ok=True)
+  path = os.path.abspath(os.path.join(work_dir, f"chats-{n}-seed{seed}.jsonl"))
+  side = path[:-len(".jsonl")] + ".json"
+  want = {"chats": n, "seed": seed, "generator_version": GENERATOR_VERSION}
+  if os.path.isfile(path) and os.path.isfile(side):
+    with open(side) as f:
+      have = json.load(f)
+    if {k: have.get(k) for k in want} == want and have.get("bytes") == os.path.getsize(path):
+      return path, None
+  begin = time.perf_counter()
+  write_chats(path, n, seed)
+  seconds = time.perf_counter() - begin
+  with open(side, "w") as f:
+    json.dump({**want, "bytes": os.path.getsize(path)}, f)
+  return path, seconds
+
+
+# ---- model ---------------------------------------------------------------------------
+
+
+def default_model(work_dir: str) -> str:
+  """WORK/qwen2.5-tiny: tests/qwen_tokenizers.py's tiny random Qwen2 with the real
+  Qwen2.5 tokenizer, written once (needs the test requirements: dashscope, torch)."""
+  out = os.path.abspath(os.path.join(work_dir, "qwen2.5-tiny"))
+  if os.path.isfile(os.path.join(out, "config.json")):
+    return out
+  sys.path.insert(0, os.path.join(ROOT, "tests"))
+  from qwen_tokenizers import make_qwen_checkpoint  # pylint: disable=import-outside-toplevel
+  os.makedirs(work_dir, exist_ok=True)
+  tmp = f"{out}.tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  make_qwen_checkpoint(tmp, "qwen2.5")
+  os.replace(tmp, out)
+  return out
+
+
+# ---- measured subprocesses -----------------------------------------------------------
+
+
+def _env(**extra: str) -> dict:
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+  env = {"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
+         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **extra}
+  return env
+
+
+class TreeMonitor:
+  """Polls a process and its descendants every POLL_S seconds in a thread: the peaks of
+  their summed RSS and summed PSS (None where PSS cannot be read)."""
+
+  def __init__(self, pid: int):
+    import psutil  # pylint: disable=import-outside-toplevel
+    self._psutil = psutil
+    try:
+      self._root = psutil.Process(pid)
+    except psutil.Error:  # already gone
+      self._root = None
+    self.peak_rss, self.peak_pss, self.samples, self.most_procs = 0, 0, 0, 0
+    self._pss_ok, self._stop = True, threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _sample(self) -> None:
+    psutil = self._psutil
+    try:
+      procs = [self._root, *self._root.children(recursive=True)]
+    except (psutil.Error, AttributeError):
+      return
+    rss = pss = 0
+    alive = 0
+    for p in procs:
+      try:
+        if self._pss_ok:
+          try:
+            info = p.memory_full_info()
+            rss, pss = rss + info.rss, pss + info.pss
+          except (psutil.AccessDenied, AttributeError):
+            self._pss_ok = False
+            rss += p.memory_info().rss
+        else:
+          rss += p.memory_info().rss
+        alive += 1
+      except psutil.Error:
+        continue
+    self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+    self.most_procs = max(self.most_procs, alive)
+    self.samples += 1
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      self._sample()
+      self._stop.wait(POLL_S)
+
+  def stop(self) -> dict:
+    self._stop.set()
+    self._thread.join()
+    return {"peak_rss_mb": self.peak_rss / 2**20,
+            "peak_pss_mb": self.peak_pss / 2**20 if self._pss_ok else None,
+            "most_processes": self.most_procs, "memory_samples": self.samples}
+
+
+def run_measured(command: list[str], env: dict, log: str) -> dict:
+  """Runs `command` (stdout to LOG.out, stderr to LOG.err), polling its process tree ->
+  {"wall_s", "cpu_s" (user + sys of it and every descendant it reaped), peaks of
+  `TreeMonitor`, "returncode", "stdout", "stderr" (their text)}."""
+  import resource  # pylint: disable=import-outside-toplevel
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+    begin = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
+    monitor = TreeMonitor(proc.pid)
+    code = proc.wait()
+    wall = time.perf_counter() - begin
+  facts = monitor.stop()
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+  with open(f"{log}.out", errors="replace") as f:
+    stdout = f.read()
+  with open(f"{log}.err", errors="replace") as f:
+    stderr = f.read()
+  return {"command": command, "returncode": code, "wall_s": wall, "cpu_s": cpu, **facts,
+          "stdout": stdout, "stderr": stderr, "log": log}
+
+
+def _check(run: dict, what: str) -> None:
+  if run["returncode"] != 0:
+    raise RuntimeError(f"{what} exited with {run['returncode']}: {' '.join(run['command'])}"
+                       f"\n{(run['stdout'] + run['stderr'])[-3000:]}")
+
+
+def child_result(run: dict) -> dict:
+  """The JSON a child printed on its RESULT line."""
+  for line in reversed(run["stdout"].splitlines()):
+    if line.startswith(RESULT):
+      return json.loads(line[len(RESULT):])
+  raise RuntimeError(f"no result line from {' '.join(run['command'])}:\n"
+                     f"{(run['stdout'] + run['stderr'])[-3000:]}")
+
+
+def _count(text: str, word: str) -> int | None:
+  """The last "<number> word" in text (commas allowed in the number), else None."""
+  found = re.findall(rf"(\d[\d,]*)\s+{word}\b", text)
+  return int(found[-1].replace(",", "")) if found else None
+
+
+def tree_bytes(path: str) -> int:
+  total = 0
+  for root, _, files in os.walk(path):
+    for name in files:
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total
+
+
+def tree_state(path: str) -> dict[str, tuple[int, int]]:
+  """{file: (size, mtime_ns)} of every file under path."""
+  out = {}
+  for root, _, files in os.walk(path):
+    for name in files:
+      full = os.path.join(root, name)
+      try:
+        st = os.stat(full)
+      except OSError:
+        continue
+      out[os.path.relpath(full, path)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+# ---- ours ----------------------------------------------------------------------------
+
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+MAX_LENGTH = 2048
+
+
+def prepare_command(model: str, chats: str, cache: str, workers: int) -> list[str]:
+  return [sys.executable, "-m", "mars_jax.data.prepare", "--config", TINY,
+          f"--config.model.init={model}", f"--config.data.source={chats}",
+          f"--config.data.max_length={MAX_LENGTH}", f"--config.data.cache_dir={cache}",
+          "--workers", str(workers)]
+
+
+def _child_command(mode: str, model: str, chats: str, cache: str, workers: int,
+                   batched: bool = False) -> list[str]:
+  return [sys.executable, "-m", "mars_jax.benchmarks.data", "--child", mode, "--model", model,
+          "--chats-file", chats, "--cache", cache, "--workers", str(workers),
+          *(["--peer-batched"] if batched else [])]
+
+
+def ours(model: str, chats: str, cache: str, workers: int, log: str) -> dict:
+  """Our cold build (the prepare CLI) into `cache`, then a warm start from it."""
+  cold = run_measured(prepare_command(model, chats, cache, workers), _env(), f"{log}-cold")
+  _check(cold, "mars_jax.data.prepare")
+  text = cold["stdout"] + "\n" + cold["stderr"]
+  lines = [ln for ln in text.splitlines() if re.search(r"\d\s+tokens\b", ln)]
+  cold.update(summary=lines[-1] if lines else None, tokens=_count(text, "tokens"),
+              kept=_count(text, "kept"), bad=_count(text, "bad"),
+              shards_built=_count(text, "shards built"), cache_bytes=tree_bytes(cache))
+  state = tree_state(cache)
+  warm = run_measured(_child_command("ours-warm", model, chats, cache, workers), _env(),
+                      f"{log}-warm")
+  _check(warm, "our warm start")
+  warm.update(child_result(warm), cache_unchanged=tree_state(cache) == state)
+  return {"cold": cold, "warm": warm}
+
+
+def _tiny_config(model: str, chats: str, cache: str):
+  """configs/tiny.py's config with the prepare command's overrides."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("tiny_config", TINY)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  cfg = mod.get_config()
+  cfg.model.init, cfg.data.source = model, chats
+  cfg.data.max_length, cfg.data.cache_dir = MAX_LENGTH, cache
+  return cfg
+
+
+def _started() -> float:
+  import psutil  # pylint: disable=import-outside-toplevel
+  return psutil.Process().create_time()
+
+
+def _rss() -> int:
+  import psutil  # pylint: disable=import-outside-toplevel
+  return psutil.Process().memory_info().rss
+
+
+def _max_rss_mb() -> float:
+  import resource  # pylint: disable=import-outside-toplevel
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_ours_warm(a) -> dict:
+  """What training does at start, up to its first batch (see the module doc)."""
+  start = _started()
+  # pylint: disable=import-outside-toplevel,unused-import
+  from transformers import AutoTokenizer  # noqa: F401  (as the peer's: transformers imports
+  from mars_jax import experiment         # its tokenizer modules lazily, at first use)
+  from mars_jax.data import load_data
+  import_s = time.time() - start
+  cfg = _tiny_config(a.model, a.chats_file, a.cache)
+  tok = experiment.data_tokenizer(cfg)
+  tokenizer_s = time.time() - start
+  rss0 = _rss()
+  data = load_data(cfg.data, tok)
+  it = data.train_iterator(batch_size=BATCH, shard_index=0, shard_count=1)
+  batch = next(it)
+  first_s = time.time() - start
+  rss1 = _rss()
+  return {"import_s": import_s, "tokenizer_s": tokenizer_s, "first_batch_s": first_s,
+          "data_rss_mb": (rss1 - rss0) / 2**20, "rss_mb": rss1 / 2**20,
+          "max_rss_mb": _max_rss_mb(), "examples": len(data.train),
+          "batch_shape": list(batch["tokens"].shape),
+          "batch_targets": int(np.asarray(batch["loss_mask"]).sum())}
+
+
+# ---- the peer: datasets .map ---------------------------------------------------------
+
+
+def peer(model: str, chats: str, cache: str, workers: int, batched: bool, log: str) -> dict:
+  """The peer's cold build into `cache`, then its warm start in a new process."""
+  env = _env(HF_DATASETS_CACHE=cache)
+  out = {}
+  for phase in ("cold", "warm"):
+    state = tree_state(cache)
+    run = run_measured(_child_command(f"peer-{phase}", model, chats, cache, workers, batched),
+                       env, f"{log}-{phase}")
+    _check(run, f"the peer's {phase} run")
+    run.update(child_result(run))
+    if phase == "cold":
+      run["cache_bytes"] = tree_bytes(cache)
+    else:
+      run["cache_unchanged"] = tree_state(cache) == state
+    out[phase] = run
+  return out
+
+
+def child_peer(a, phase: str) -> dict:
+  """Dataset.from_json, then .map(render and tokenize, num_proc=W), then ds[:32]."""
+  start = _started()
+  # pylint: disable=import-outside-toplevel
+  import datasets
+  import pyarrow.compute as pc
+  from transformers import AutoTokenizer
+  import_s = time.time() - start
+  datasets.disable_progress_bars()
+  tok = AutoTokenizer.from_pretrained(a.model)
+  tokenizer_s = time.time() - start
+  rss0 = _rss()
+  existing = {os.path.join(a.cache, f) for f in tree_state(a.cache)}
+
+  if a.peer_batched:
+    def fn(batch):
+      texts = [tok.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
+      return {"input_ids": tok(texts, add_special_tokens=False)["input_ids"]}
+  else:
+    def fn(example):
+      text = tok.apply_chat_template(example["messages"], tokenize=False)
+      return {"input_ids": tok(text, add_special_tokens=False)["input_ids"]}
+
+  ds = datasets.Dataset.from_json(a.chats_file, cache_dir=a.cache)
+  json_s = time.time() - start
+  mapped = ds.map(fn, batched=a.peer_batched, num_proc=a.workers if a.workers > 1 else None)
+  map_s = time.time() - start
+  batch = mapped[:BATCH]
+  first_s = time.time() - start
+  rss1 = _rss()
+  files = [os.path.abspath(f["filename"]) for f in mapped.cache_files]
+  lengths = pc.list_value_length(mapped.data.column("input_ids"))
+  return {"import_s": import_s, "tokenizer_s": tokenizer_s, "from_json_s": json_s - tokenizer_s,
+          "map_s": map_s - json_s, "first_batch_s": first_s,
+          "data_rss_mb": (rss1 - rss0) / 2**20, "rss_mb": rss1 / 2**20,
+          "max_rss_mb": _max_rss_mb(), "kept": len(mapped), "bad": 0,
+          "tokens": int(pc.sum(lengths).as_py() or 0),
+          "json_cache_hit": bool(ds.cache_files) and all(
+              os.path.abspath(f["filename"]) in existing for f in ds.cache_files),
+          "cache_hit": bool(files) and all(f in existing for f in files),
+          "map_cache_files": len(files), "batch_rows": len(batch["input_ids"])}
+
+
+# ---- report --------------------------------------------------------------------------
+
+SYSTEMS = {"ours": "ours", "peer": "datasets.map"}
+
+
+def _row(n: int, system: str, workers: int, result: dict) -> dict:
+  cold, warm = result["cold"], result["warm"]
+  tokens = cold.get("tokens")
+  wall = cold["wall_s"]
+  return {
+      "chats": n, "system": system, "workers": workers,
+      "cold_s": wall, "kept": cold.get("kept"), "bad": cold.get("bad"), "tokens": tokens,
+      "shards_built": cold.get("shards_built"),
+      "chats_per_s": n / wall, "tokens_per_s": tokens / wall if tokens else None,
+      "tokens_per_s_per_process": tokens / wall / workers if tokens else None,
+      "cold_cpu_s": cold["cpu_s"], "cold_peak_rss_mb": cold["peak_rss_mb"],
+      "cold_peak_pss_mb": cold["peak_pss_mb"], "cache_mb": cold["cache_bytes"] / 2**20,
+      "warm_import_s": warm["import_s"], "warm_first_batch_s": warm["first_batch_s"],
+      "warm_wall_s": warm["wall_s"], "warm_peak_rss_mb": warm["peak_rss_mb"],
+      "warm_data_rss_mb": warm["data_rss_mb"],
+      "warm_cache_hit": warm.get("cache_hit", warm.get("cache_unchanged")),
+      "warm_cache_unchanged": warm.get("cache_unchanged")}
+
+
+def _fmt(v, digits: int = 1) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, bool):
+    return "yes" if v else "NO"
+  if isinstance(v, int):
+    return f"{v:,}"
+  return f"{v:,.{digits}f}" if abs(v) < 100 else f"{v:,.0f}"
+
+
+HEAD = ("N", "system", "W", "cold s", "chats/s", "tok/s", "tok/s/proc", "CPU s",
+        "peak RSS MB", "peak PSS MB", "cache MB", "warm import s", "warm 1st batch s",
+        "warm peak RSS MB", "data RSS MB", "warm hit")
+SECONDS = {"cold_s", "cold_cpu_s", "warm_import_s", "warm_first_batch_s"}
+KEYS = ("cold_s", "chats_per_s", "tokens_per_s", "tokens_per_s_per_process", "cold_cpu_s",
+        "cold_peak_rss_mb", "cold_peak_pss_mb", "cache_mb", "warm_import_s",
+        "warm_first_batch_s", "warm_peak_rss_mb", "warm_data_rss_mb", "warm_cache_hit")
+
+
+def comparisons(rows: list[dict]) -> dict:
+  """Cold speedups over W=1 per (N, system), and the peer's seconds over ours per (N, W)."""
+  by = {(r["chats"], r["system"], r["workers"]): r for r in rows}
+  speedup, peer_over_ours = {}, {}
+  for (n, system, w), r in by.items():
+    one = by.get((n, system, 1))
+    if one and w != 1:
+      shards = f" ({r['shards_built']} shards built)" if r.get("shards_built") else ""
+      speedup[f"{system} N={n} W={w}{shards}"] = one["cold_s"] / r["cold_s"]
+    if system == "ours" and (n, "datasets.map", w) in by:
+      p = by[(n, "datasets.map", w)]
+      peer_over_ours[f"N={n} W={w}"] = {
+          "cold_s": p["cold_s"] / r["cold_s"],
+          "warm_first_batch_s": p["warm_first_batch_s"] / r["warm_first_batch_s"],
+          "tokens_equal": p["tokens"] == r["tokens"]}
+  return {"speedup_over_w1": speedup, "peer_over_ours": peer_over_ours}
+
+
+def print_table(result: dict) -> None:
+  print(f"\nmodel {result['model_dir']}; cold: a fresh cache, process start to exit; warm: "
+        "a new process on that cache, seconds from its start; RSS/PSS: the process tree's "
+        "sum, peak")
+  for n, facts in result["chats"].items():
+    tokens = next((r["tokens"] for r in result["rows"] if r["chats"] == int(n) and r["tokens"]),
+                  None)
+    mean = f"{tokens / int(n):.0f} tokens a chat" if tokens else "tokens not counted"
+    print(f"N={n}: {facts['path']} ({facts['bytes'] / 2**20:.0f} MB, {mean})")
+  print("| " + " | ".join(HEAD) + " |")
+  print("|" + "---|" * len(HEAD))
+  for r in result["rows"]:
+    cells = [_fmt(r["chats"]), r["system"], str(r["workers"])]
+    cells += [_fmt(r[k], 2 if k in SECONDS else 1) for k in KEYS]
+    print("| " + " | ".join(cells) + " |")
+  for key, value in result["comparisons"]["speedup_over_w1"].items():
+    print(f"cold speedup over W=1, {key}: {value:.2f}x")
+  for key, value in result["comparisons"]["peer_over_ours"].items():
+    print(f"datasets.map / ours, {key}: cold s {value['cold_s']:.2f}x, warm s to the first "
+          f"batch {value['warm_first_batch_s']:.2f}x; tokens equal: "
+          f"{_fmt(value['tokens_equal'])}")
+  print(f"load average (1 min) {result['load_average_start'][0]:.1f} at the start, "
+        f"{result['load_average_end'][0]:.1f} at the end, on {result['cpu_count']} CPUs")
+  print("ours also finds the assistant spans and writes loss masks; the peer's plain "
+        "tokenize has no targets (TRL masks assistants only for templates with "
+        "{% generation %} tags, which Qwen2.5's lacks).", flush=True)
+
+
+# ---- the run -------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def _versions() -> dict:
+  out = {"python": sys.version.split()[0]}
+  for name in ("datasets", "transformers", "tokenizers", "pyarrow", "jax", "grain", "numpy",
+               "psutil", "trl"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def _slim(run: dict) -> dict:
+  """A measured run for the JSON: the output's tail instead of all of it."""
+  out = {k: v for k, v in run.items() if k not in ("stdout", "stderr")}
+  out["output_tail"] = (run.get("stdout", "") + run.get("stderr", ""))[-2000:]
+  return out
+
+
+def run(args) -> dict:
+  work = os.path.abspath(args.work_dir)
+  os.makedirs(work, exist_ok=True)
+  model = os.path.abspath(args.model) if args.model else default_model(work)
+  result = {"model_dir": model, "work_dir": work, "seed": args.seed,
+            "workers_list": _ints(args.workers_list), "peer_batched": args.peer_batched,
+            "skip_peer": args.skip_peer, "max_length": MAX_LENGTH,
+            "versions": _versions(), "cpu_count": os.cpu_count(),
+            "load_average_start": os.getloadavg(),
+            "env": {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM",
+                                                   "OMP_NUM_THREADS")},
+            "chats": {}, "runs": [], "rows": []}
+  for n in _ints(args.chats):
+    path, write_s = chats_file(work, n, args.seed)
+    result["chats"][n] = {"path": path, "bytes": os.path.getsize(path), "write_s": write_s}
+    print(f"chats N={n}: {path} " + ("(reused)" if write_s is None else
+                                     f"(written in {write_s:.1f} s)"), flush=True)
+    for w in result["workers_list"]:
+      systems = ["ours"] + ([] if args.skip_peer else ["peer"])
+      for system in systems:
+        cache = os.path.join(work, f"cache-{system}-{n}-w{w}")
+        shutil.rmtree(cache, ignore_errors=True)
+        os.makedirs(cache)
+        log = os.path.join(work, f"{system}-{n}-w{w}")
+        try:
+          if system == "ours":
+            measured = ours(model, path, cache, w, log)
+          else:
+            measured = peer(model, path, cache, w, args.peer_batched, log)
+        finally:
+          shutil.rmtree(cache, ignore_errors=True)
+        row = _row(n, SYSTEMS[system], w, measured)
+        result["rows"].append(row)
+        result["runs"].append({"chats": n, "system": SYSTEMS[system], "workers": w,
+                               **{k: _slim(v) for k, v in measured.items()}})
+        print(f"{SYSTEMS[system]} N={n} W={w}: cold {row['cold_s']:.1f} s "
+              f"({_fmt(row['tokens'])} tokens, peak RSS {row['cold_peak_rss_mb']:.0f} MB), "
+              f"warm first batch {row['warm_first_batch_s']:.1f} s", flush=True)
+  result["comparisons"] = comparisons(result["rows"])
+  result["load_average_end"] = os.getloadavg()
+  return result
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m mars_jax.bench data", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--chats", default="100000", help="comma list of chat counts N")
+  p.add_argument("--workers-list", default="1,2", help="comma list of build processes W")
+  p.add_argument("--work-dir", default=os.path.join("runs", "bench_data"),
+                 help="the chats files, the model, logs and (while measured) the caches")
+  p.add_argument("--seed", type=int, default=0, help="the chats' seed")
+  p.add_argument("--model", default=None,
+                 help="an HF directory (default: WORK/qwen2.5-tiny, written once)")
+  p.add_argument("--skip-peer", action="store_true", help="ours only")
+  p.add_argument("--peer-batched", action="store_true",
+                 help="the peer's .map with batched=True (TRL's is one record per call)")
+  p.add_argument("--out", default="bench_data.json", help="JSON of everything")
+  # the bench's own child processes
+  p.add_argument("--child", choices=["ours-warm", "peer-cold", "peer-warm"],
+                 help=argparse.SUPPRESS)
+  p.add_argument("--chats-file", help=argparse.SUPPRESS)
+  p.add_argument("--cache", help=argparse.SUPPRESS)
+  p.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv=None) -> None:
+  args = parser().parse_args(argv)
+  if args.child:
+    out = (child_ours_warm(args) if args.child == "ours-warm"
+           else child_peer(args, args.child.split("-")[1]))
+    print(RESULT + json.dumps(out), flush=True)
+    return
+  result = run(args)
+  print_table(result)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

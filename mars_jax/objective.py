@@ -221,6 +221,36 @@ def _in_target_block(f: dict[str, Array], block_size: int) -> Array:
   return (jnp.take_along_axis(has, run, axis=1) > 0) & (seg != 0)
 
 
+def example_target_block_lengths(loss_mask: np.ndarray, offsets: np.ndarray,
+                                 block_size: int, row_length: int,
+                                 block_offsets=(0,)) -> np.ndarray:
+  """`target_block_lengths` of each example's own padded row (unpacked), for examples
+  stored back to back, computed in numpy from the targets alone: int32[n], the most
+  over `block_offsets`.
+
+  loss_mask: bool[T], example i's mask is loss_mask[offsets[i]:offsets[i+1]]
+  (untruncated or cut to row_length); offsets: int[n + 1]. A row's output p counts
+  when its loss_mask[p + 1] does (p + 1 < min(len, row_length)); every position of an
+  unpacked row is in its one segment, padding included.
+  """
+  n = len(offsets) - 1
+  hits = np.flatnonzero(loss_mask)
+  example = np.searchsorted(offsets, hits, side="right") - 1
+  q = hits - offsets[example]
+  keep = (q >= 1) & (q < np.minimum(np.diff(offsets)[example], row_length))
+  example, p = example[keep], q[keep] - 1
+  best = np.zeros(n, np.int64)
+  for o in block_offsets:
+    k = (p + o) // block_size
+    first = np.ones(len(k), bool)
+    first[1:] = (k[1:] != k[:-1]) | (example[1:] != example[:-1])
+    k, e = k[first], example[first]
+    span = np.minimum(row_length, k * block_size - o + block_size) - np.maximum(
+        0, k * block_size - o)
+    best = np.maximum(best, np.bincount(e, weights=span, minlength=n).astype(np.int64))
+  return best.astype(np.int32)
+
+
 def fitting_stream_length(longest: int, block_size: int, row_length: int) -> int:
   """The stream length for rows of at most `longest` target-block positions: rounded up
   to a multiple of 8 and of B, at most the row length."""

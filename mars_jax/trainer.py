@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,14 +36,13 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from mars_jax import checkpoint, hf, lora, objective as objective_lib, sharding, train_config
 from mars_jax import train_step as ts
-from mars_jax.data import load_data, pad_example, synthetic, task_settings
+from mars_jax.data import load_data, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
 from mars_jax.optimizer import make_optimizer, make_schedule
 
@@ -159,7 +159,7 @@ def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
   else:
     block = 1 if cfg.objective.kind == "ar_sft" else cfg.objective.block_size
     offsets = range(block) if block > 1 and cfg.objective.random_block_offset else (0,)
-    longest = max(_longest_target_blocks(source, block, length, data.pad_id, offsets)
+    longest = max(_longest_target_blocks(source, block, length, offsets)
                   for source in (data.train, data.eval) if source is not None)
     n = objective_lib.fitting_stream_length(longest, block, length)
     why = (f"the longest example's target blocks: {longest}"
@@ -169,23 +169,15 @@ def stream_length(cfg, data, name: str, *, verbose: bool) -> int:
   return int(n)
 
 
-def _longest_target_blocks(source, block_size: int, length: int, pad_id: int,
-                           offsets=(0,), rows: int = 4096) -> int:
+def _longest_target_blocks(source, block_size: int, length: int, offsets=(0,)) -> int:
   """Max over the examples of `source` and the block `offsets` (see
-  `objective.prepare`) of an example's positions in target blocks."""
-  @jax.jit
-  def count(b):
-    return jnp.max(jnp.stack([objective_lib.target_block_lengths(objective_lib.prepare(
-        {**b, "block_offset": jnp.full((rows,), o, jnp.int32)}), block_size)
-                              for o in offsets]), axis=0)
-  longest = 0
-  for start in range(0, len(source), rows):
-    batch = [pad_example(source[i], length, pad_id)
-             for i in range(start, min(start + rows, len(source)))]
-    batch += [batch[-1]] * (rows - len(batch))   # one compiled shape
-    stacked = {k: np.stack([ex[k] for ex in batch]) for k in ("tokens", "loss_mask")}
-    longest = max(longest, int(np.max(count(stacked))))
-  return longest
+  `objective.prepare`) of an example's positions in target blocks (a cached source
+  keeps the per-example counts, so a later start reads them)."""
+  counts = source.per_example(
+      functools.partial(objective_lib.example_target_block_lengths, block_size=block_size,
+                        row_length=length, block_offsets=tuple(offsets)),
+      f"target_blocks-B{block_size}-L{length}-offsets{'-'.join(map(str, offsets))}")
+  return int(counts.max()) if len(counts) else 0
 
 
 def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:

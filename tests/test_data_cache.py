@@ -219,3 +219,15 @@ def test_two_processes_build_their_shares_and_read_the_union(model_dir, tmp_path
   assert all(line.startswith("prepared: 600 records read, 600 kept, 0 bad") for line in lines)
   assert sorted(line.rsplit("(", 1)[1] for line in lines) == [
       "3 shards built, 3 found)", "3 shards built, 3 found)"]
+
+
+def test_the_stream_length_count_is_kept_with_the_cache(setup):
+  """The trainer's count of target-block positions (what sizes the MARS stream) is the
+  in-memory pipeline's, and a cached file keeps it for the next start."""
+  from mars_jax import trainer  # pylint: disable=import-outside-toplevel
+  ref = load_data({**_cfg(setup), "cache": False}, setup["tok"])
+  data = load_data(_cfg(setup), setup["tok"])
+  for source, other in ((ref.train, data.train), (ref.eval, data.eval)):
+    assert (trainer._longest_target_blocks(source, 4, 192, range(4)) ==
+            trainer._longest_target_blocks(other, 4, 192, range(4)) > 0)
+  assert list((setup["tmp"] / "cache").glob("*/derived/target_blocks-B4-L192-offsets0-1-2-3.npy"))

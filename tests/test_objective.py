@@ -331,6 +331,28 @@ def test_target_stream_keeps_the_blocks_that_hold_a_target():
   np.testing.assert_array_equal(lengths, [11, 8])
 
 
+def test_example_target_block_lengths_equal_the_padded_rows():
+  """The numpy count the trainer sizes the stream with, on examples stored back to back
+  (some longer than the row), equals `target_block_lengths` of their padded rows, for
+  every block offset."""
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 40, 64)
+  masks = [rng.random(n) < rng.choice([0.0, 0.1, 0.5, 1.0]) for n in lengths]
+  flat, offsets = np.concatenate(masks), np.concatenate([[0], np.cumsum(lengths)])
+  row, block = 24, 4
+  padded = np.zeros((len(masks), row), bool)
+  for i, m in enumerate(masks):
+    padded[i, :min(len(m), row)] = m[:row]
+  for o in range(block):
+    want = objective.target_block_lengths(objective.prepare(
+        {"tokens": np.zeros(padded.shape, np.int32), "loss_mask": padded,
+         "block_offset": np.full(len(masks), o, np.int32)}), block)
+    got = objective.example_target_block_lengths(flat, offsets, block, row, (o,))
+    np.testing.assert_array_equal(got, want)
+  every = objective.example_target_block_lengths(flat, offsets, block, row, range(block))
+  assert every.max() > 0 and every.dtype == np.int32
+
+
 @pytest.mark.parametrize("tie,intra,packed", [
     (True, "causal", False), (False, "causal", True), (True, "bidirectional", True)])
 def test_short_target_stream_equals_the_full_loss(tie, intra, packed):

@@ -25,6 +25,8 @@ is another key, so old tokens are never read for new inputs.
       bad.jsonl               the shard's bad records: [kind, line or row, reason]
       meta.json               counts and each file's size and crc32 (written last)
   <key>/manifest.json    the shards and the file's totals: written when every shard is
+  <key>/derived/NAME.npy a value per example computed from the cache, e.g. the
+                         objective's target-block lengths (FileCache.per_example)
 
 A shard is written into a temporary directory and renamed into place, so it exists
 whole or not at all; the manifest, written last the same way, is the commit. A build
@@ -41,6 +43,7 @@ that is not shared between hosts), so every process reads the union.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -67,6 +70,7 @@ _LOG = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 SHARD_RECORDS = 5_000
 MANIFEST, KEY_FILE, META, BAD = "manifest.json", "key.json", "meta.json", "bad.jsonl"
+DERIVED = "derived"   # per-example values computed from a committed cache (per_example)
 ARRAYS = ("tokens", "loss_mask", "offsets", "lines", "valid", "first_target")
 _SAMPLE_BYTES = 1 << 20
 _BLOCK = 16 << 20
@@ -345,6 +349,20 @@ def _commit_shard(unit: Unit, arrays: dict, bad: list, counts: dict) -> dict:
 _WORKER: dict[str, Any] = {}
 
 
+@contextlib.contextmanager
+def _one_core():
+  """The tokenizer's batches on one thread (as in a worker), so W processes use W cores."""
+  before = os.environ.get("TOKENIZERS_PARALLELISM")
+  os.environ["TOKENIZERS_PARALLELISM"] = "false"
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ["TOKENIZERS_PARALLELISM"]
+    else:
+      os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
 def _init_worker(tokenizer, settings: Settings) -> None:
   os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one core a worker
   _WORKER.update(tokenizer=tokenizer, settings=settings)
@@ -364,9 +382,10 @@ def _run(units: Sequence[Unit], tokenizer, settings: Settings, workers: int,
   if not units:
     return
   if workers <= 1 or len(units) == 1:
-    for i, unit in enumerate(units):
-      build_unit(unit, tokenizer, settings)
-      progress(i + 1, len(units))
+    with _one_core():
+      for i, unit in enumerate(units):
+        build_unit(unit, tokenizer, settings)
+        progress(i + 1, len(units))
     return
   # fork: the workers inherit the tokenizer, and a script without a __main__ guard
   # still works; they run only numpy and the tokenizer, never JAX.
@@ -575,6 +594,25 @@ class FileCache:
   def _where(self, line: int) -> str:
     return f"{self.path}:{line}" if self.path.endswith(JSONL_SUFFIXES) else (
         f"{self.path}:row {line}")
+
+  def per_example(self, fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                  name: str) -> np.ndarray:
+    """fn(loss_mask bool[T], offsets int[n + 1]) over each shard's examples, one value
+    per example of the file; kept in `derived/<name>.npy` of the key's directory and
+    read from there after (`name` must say what fn computes)."""
+    where = os.path.join(self.directory, DERIVED, f"{name}.npy")
+    if os.path.isfile(where):
+      return np.load(where)
+    values = []
+    for s, shard in enumerate(self.manifest["shards"]):
+      offsets = np.load(os.path.join(self.directory, shard, "offsets.npy"))
+      values.append(fn(self._mapped()[s][1], offsets))
+    out = np.concatenate(values) if values else np.zeros(0, np.int64)
+    os.makedirs(os.path.dirname(where), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(where), _tmp_name(name) + ".npy")
+    np.save(tmp, out)
+    os.replace(tmp, where)
+    return out
 
   def __getstate__(self) -> dict:
     return {**self.__dict__, "_maps": None}

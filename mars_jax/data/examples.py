@@ -15,7 +15,7 @@ and tokenizer they serve the same items in the same order.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from grain.sources import RandomAccessDataSource
@@ -110,6 +110,12 @@ class TokenizedSource(RandomAccessDataSource):
     a, b = self._offsets[i], self._offsets[i + 1]
     return {"tokens": self._tokens[a:b], "loss_mask": self._masks[a:b]}
 
+  def per_example(self, fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                  name: str) -> np.ndarray:  # pylint: disable=unused-argument
+    """fn(loss_mask bool[T], offsets int[n + 1]) -> one value per example, in item
+    order (`CachedSource.per_example` keeps it on disk under `name`)."""
+    return fn(self._masks, self._offsets)
+
   @property
   def num_tokens(self) -> int:
     return int(self.lengths.sum())
@@ -151,6 +157,15 @@ class CachedSource(RandomAccessDataSource):
 
   def where(self, i: int) -> str:
     return self._files[self._which[i]].where(int(self._examples[i]))
+
+  def per_example(self, fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                  name: str) -> np.ndarray:
+    """fn over each cached file's examples (untruncated), one value per example, in
+    item order; each file keeps the result of `name` (which must say what fn computes)
+    on disk, so a later start reads it."""
+    values = [f.per_example(fn, name) for f in self._files]
+    return np.concatenate([values[f][self._examples[self._which == f]]
+                           for f in range(len(self._files))]) if values else np.zeros(0)
 
   @property
   def num_tokens(self) -> int:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -46,7 +45,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from mars_jax import hardware, masks, sharding, train_config
+from mars_jax import cli, hardware, masks, sharding, train_config
 from mars_jax import train_step as ts
 from mars_jax.benchmarks.step import train_flops
 from mars_jax.decoding import loop, mesh as decode_mesh
@@ -368,17 +367,11 @@ def main(argv=None) -> None:
     jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     name = os.path.splitext(os.path.basename(
         config_flags.get_config_filename(flags.FLAGS["config"])))[0]
-    try:
+    with cli.one_line_errors((ValueError, FileNotFoundError)):
       report = plan(config_flag.value, name, topology_flag.value,
                     decode=_decode_arg(decode_flag.value) if decode_flag.value else None,
                     decode_mesh_spec=decode_mesh_flag.value, search=search_flag.value,
                     train=train_flag.value)
-    except (ValueError, FileNotFoundError) as e:
-      if os.environ.get("MARS_JAX_TRACEBACK"):
-        raise
-      print("error: " + " ".join(line.strip() for line in str(e).splitlines()),
-            file=sys.stderr)
-      sys.exit(2)
     print(format_table(report))
     suffix = "" if train_flag.value else "_decode"
     out = out_flag.value or os.path.join("plans", f"{name}_{topology_flag.value}{suffix}.json")

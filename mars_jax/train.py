@@ -24,7 +24,7 @@ from absl import logging as absl_logging
 import jax
 from ml_collections import config_flags
 
-from mars_jax import distributed, experiment, trainer
+from mars_jax import cli, distributed, experiment, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -49,16 +49,12 @@ def main(argv) -> None:
   distributed.assert_same_config(distributed.config_fingerprint(cfg))
   _LOG.info("%s", distributed.env_summary())
   try:
-    experiment.run(cfg, _WORKDIR.value)
+    with cli.one_line_errors():
+      experiment.run(cfg, _WORKDIR.value)
   except trainer.Preempted as e:
     _LOG.warning("process %d: %s; exiting with status %d", jax.process_index(), e,
                  trainer.PREEMPTED_EXIT)
     sys.exit(trainer.PREEMPTED_EXIT)
-  except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-    if os.environ.get("MARS_JAX_TRACEBACK"):
-      raise
-    print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

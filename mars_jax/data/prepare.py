@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mars_jax import distributed, experiment
-from mars_jax.data import cache, formats, pipeline
+from mars_jax import cli, distributed, experiment
+from mars_jax.data import cache, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -61,17 +60,12 @@ def main(argv) -> None:
   cfg = _CONFIG.value
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("mars_jax").setLevel(logging.INFO)
-  try:
+  with cli.one_line_errors():
     d = cfg.distributed
     distributed.initialize(distributed.plan_from_env(
         os.environ, coordinator_address=d.coordinator_address,
         num_processes=d.num_processes, process_id=d.process_id, port=d.port))
     print(prepare(cfg, _WORKERS.value), flush=True)
-  except (ValueError, FileNotFoundError, NotADirectoryError, formats.UnknownFormatError) as e:
-    if os.environ.get("MARS_JAX_TRACEBACK"):
-      raise
-    print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -66,12 +66,12 @@ from mars_jax.data.sources import (ARROW_STATE, JSONL_SUFFIXES, PARQUET_SUFFIXES
                                    _format_of, _parse, read_arrow_dataset)
 
 _LOG = logging.getLogger(__name__)
-# 1: the first layout. 2: Qwen3 thinking turns' <think> tags and newlines are targets.
+# In the key: bump it when what a build writes changes. 2: Qwen3 thinking turns are
+# targets from <think> through the reply (chat.py).
 FORMAT_VERSION = 2
 SHARD_RECORDS = 5_000
 MANIFEST, KEY_FILE, META, BAD = "manifest.json", "key.json", "meta.json", "bad.jsonl"
 DERIVED = "derived"   # per-example values computed from a committed cache (per_example)
-ARRAYS = ("tokens", "loss_mask", "offsets", "lines", "valid", "first_target")
 _SAMPLE_BYTES = 1 << 20
 _BLOCK = 16 << 20
 

@@ -347,6 +347,7 @@ def cache_settings(cfg: Mapping[str, Any]) -> cache.Settings:
 
 
 def cache_dir(cfg: Mapping[str, Any]) -> str:
+  """data.cache_dir, else $MARS_JAX_DATA_CACHE, else ~/.cache/mars_jax/data."""
   return cfg["cache_dir"] or cache.default_dir()
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from qwen_tokenizers import build_qwen_tokenizer, make_qwen_checkpoint
 
-from mars_jax.data import cache, load_data
+from mars_jax.data import cache, cache_files, load_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the of and to in is was for on that with as it by at from this be are an or "
@@ -151,7 +151,7 @@ def test_a_damaged_cache_is_refused_with_the_fix(setup, tmp_path):
   raw = bytearray(tokens.read_bytes())
   raw[-1] ^= 1
   tokens.write_bytes(bytes(raw))
-  with pytest.raises(cache.CacheError, match=r"tokens.npy: changed since it was written.*"
+  with pytest.raises(cache_files.CacheError, match=r"tokens.npy: changed since it was written.*"
                                              r"delete .* and build it again"):
     load_data(cfg, setup["tok"])
 

@@ -78,6 +78,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from importlib import metadata
@@ -530,9 +531,7 @@ def run(args) -> dict:
     for w in result["workers_list"]:
       systems = ["ours"] + ([] if args.skip_peer else ["peer"])
       for system in systems:
-        cache = os.path.join(work, f"cache-{system}-{n}-w{w}")
-        shutil.rmtree(cache, ignore_errors=True)
-        os.makedirs(cache)
+        cache = tempfile.mkdtemp(prefix=f"cache-{system}-{n}-w{w}.", dir=work)  # ours alone
         log = os.path.join(work, f"{system}-{n}-w{w}")
         try:
           if system == "ours":

@@ -5,18 +5,38 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# the tokenized data cache of every test and CLI run, not the user's ~/.cache
-_DATA_CACHE = None if "MARS_JAX_DATA_CACHE" in os.environ else tempfile.mkdtemp(
-    prefix="mars_jax_data_cache.")
-os.environ.setdefault("MARS_JAX_DATA_CACHE", _DATA_CACHE or "")
+
+
+def _run_directory(env: str, prefix: str) -> str | None:
+  """A directory for this test run in $env, made here unless already set -> the
+  directory made (to remove at the end), or None. pytest-xdist's workers and every CLI
+  subprocess inherit the variable from the controller, so they share one directory."""
+  if env in os.environ:
+    return None
+  made = tempfile.mkdtemp(prefix=prefix)
+  os.environ[env] = made
+  return made
+
+
+# The tokenized data cache of every test and CLI run, not the user's ~/.cache.
+_DATA_CACHE = _run_directory("MARS_JAX_DATA_CACHE", "mars_jax_data_cache.")
+# JAX's persistent compilation cache, one per test run: the same small programs are
+# compiled once for the run's workers and CLI subprocesses instead of in each of them
+# (`python -m mars_jax.serve`'s engine reads $MARS_JAX_COMPILATION_CACHE). Every
+# compile is cached, however fast.
+_JAX_CACHE = _run_directory("JAX_COMPILATION_CACHE_DIR", "mars_jax_jax_cache.")
+os.environ.setdefault("MARS_JAX_COMPILATION_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
-  if _DATA_CACHE:
-    shutil.rmtree(_DATA_CACHE, ignore_errors=True)
+  for made in (_DATA_CACHE, _JAX_CACHE):
+    if made:
+      shutil.rmtree(made, ignore_errors=True)
 
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -48,8 +48,7 @@ class Live:
          "--windows", "1,3", "--max-window", "3", "--max-len", "160",
          "--shutdown-timeout", "60", "--log-level", os.environ.get("MARS_SERVE_LOG", "warning"),
          *extra_args],
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
-             "MARS_JAX_COMPILATION_CACHE": str(tmp.parent / "jax_cache"), **(env or {})},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **(env or {})},
         cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
     self.starting = []   # the bodies /health answered before the server was ready
     deadline = time.time() + 900   # warmup compiles every variant (a shared cache helps)

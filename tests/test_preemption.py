@@ -47,15 +47,6 @@ def assert_saved_at(run_dir, nproc):
   return step
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """The runs of this module share compiled steps: a run that starts after another
-  has compiled skips it (one tiny run here: 34 s of CPU -> 16 s)."""
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    yield
-
-
 def test_sigterm_saves_then_resumes_exactly(tmp_path):
   straight = str(tmp_path / "straight")
   reference = train(straight, *STEPS, background=True)   # uninterrupted, meanwhile

@@ -119,14 +119,14 @@ def two_stream_target_mask(segment_ids: Array, positions: Array, noisy_segment_i
 
 def causal_spans(length: int, chunk: int) -> tuple:
   """Query chunks of a causal pass over `length` positions, each with the keys up to its
-  end: ((q0, q1, ((0, q1),)), ...) for `qwen2.span_attention`."""
+  end: ((q0, q1, ((0, q1),)), ...) for `attention.span_attention`."""
   return tuple((q0, min(q0 + chunk, length), ((0, min(q0 + chunk, length)),))
                for q0 in range(0, length, chunk))
 
 
 def two_stream_spans(length: int, stream_length: int, block_size: int, chunk: int) -> tuple:
   """Query chunks of a [clean (L) | noisy target stream (n)] pass and the keys each may
-  see (`qwen2.span_attention`): a clean chunk its causal prefix; a noisy chunk the clean
+  see (`attention.span_attention`): a clean chunk its causal prefix; a noisy chunk the clean
   keys before the last row position its slots can hold, and the noisy slots within
   B - 1 of it (a noisy query sees only its own block, at most B consecutive slots of
   the stream), never the noisy slots beyond:

@@ -49,7 +49,7 @@ from mars_jax import cli, hardware, masks, sharding, train_config
 from mars_jax import train_step as ts
 from mars_jax.benchmarks.step import train_flops
 from mars_jax.decoding import loop, mesh as decode_mesh
-from mars_jax.models import qwen2
+from mars_jax.models import attention, qwen2
 from mars_jax.optimizer import make_optimizer
 
 
@@ -228,7 +228,7 @@ def attention_check(topology: hardware.Topology, devices, *, length: int = 256) 
   impls = ("splash", "xla") if topology.chip.platform == "tpu" else ("cudnn", "xla")
   out = {}
   for impl in impls:
-    fn = jax.jit(lambda q, k, v, impl=impl: qwen2.attention(q, k, v, mask, impl))
+    fn = jax.jit(lambda q, k, v, impl=impl: attention.attention(q, k, v, mask, impl))
     try:
       fn.lower(qkv, qkv, qkv).compile()
       out[impl] = "compiles"

@@ -6,13 +6,14 @@ The mesh has three axes:
   fsdp     batch split and params sharded on their `embed` axis (ZeRO-3 style)
   tensor   Megatron-style: heads, kv_heads, mlp and vocab split
 
-Weights and activations carry logical axis names (see `mars_jax.models.qwen2`); the
-ordered table `LOGICAL_AXIS_RULES` maps them to mesh axes (for each array dimension
-the first rule whose mesh axis is still free wins). A dimension that its mesh axes
-do not divide (e.g. 2 kv heads on tensor=4) stays replicated. Shardings of weights
-are derived from `jax.eval_shape` of the init, so nothing is allocated to compute
-them; activations are pinned while the model is traced under `activation_sharding`
-(the train and eval steps do that), and left to the compiler elsewhere:
+Weights and activations carry logical axis names (see `mars_jax.models.qwen2` and
+`mars_jax.models.layers`); the ordered table `LOGICAL_AXIS_RULES` maps them to mesh
+axes (for each array dimension the first rule whose mesh axis is still free wins).
+A dimension that its mesh axes do not divide (e.g. 2 kv heads on tensor=4) stays
+replicated. Shardings of weights are derived from `jax.eval_shape` of the init, so
+nothing is allocated to compute them; activations are pinned while the model is
+traced under `activation_sharding` (the train and eval steps do that), and left to the
+compiler elsewhere:
 
   activation_batch                            data, fsdp
   activation_heads, _kv_heads, _mlp, _vocab   tensor
@@ -35,7 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mars_jax.models import qwen2
-from mars_jax.models.qwen2 import fit_spec  # noqa: F401  (re-exported)
+from mars_jax.models.layers import fit_spec  # noqa: F401  (re-exported)
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -144,7 +145,7 @@ def num_batch_shards(batch: NamedSharding) -> int:
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Iterator[None]:
   """Binds `mesh` (as the abstract mesh) and `rules`, so that the model traced inside
-  pins its activations (`qwen2.constrain`). Enter it inside the jitted function, where
+  pins its activations (`layers.constrain`). Enter it inside the jitted function, where
   the model is traced: jit does not key its cache on the rules."""
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
     yield

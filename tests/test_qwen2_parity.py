@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from mars_jax import hf
-from mars_jax.models import qwen2
+from mars_jax.models import attention, cached, qwen2
 
 TOL = 1e-4
 # hf_tiny kwargs of each family; Qwen3's head_dim 24 is not hidden / heads (16).
@@ -109,15 +109,15 @@ def test_cached_attention_equals_dense_attention_over_the_written_cache(chunk):
   mask = rng.random((b, t, slots)) < 0.4
   mask[0, 0] = False
   mask[0, 0, slots - 1] = True            # only the last block is visible to this query
-  got = qwen2.cached_attention(q, k, v, np.stack([0 * cache_k, cache_k]),
-                              np.stack([0 * cache_v, cache_v]), 1, mask, write, chunk=chunk)
+  got = attention.cached_attention(q, k, v, np.stack([0 * cache_k, cache_k]),
+                                   np.stack([0 * cache_v, cache_v]), 1, mask, write, chunk=chunk)
   after_k, after_v = cache_k.copy(), cache_v.copy()
   for i in range(b):
     for j in range(t):
       if write[i, j] < slots:
         after_k[i, :, write[i, j]], after_v[i, :, write[i, j]] = k[i, j], v[i, j]
-  want = qwen2.attention(q, after_k.transpose(0, 2, 1, 3), after_v.transpose(0, 2, 1, 3),
-                         mask, "xla")
+  want = attention.attention(q, after_k.transpose(0, 2, 1, 3),
+                             after_v.transpose(0, 2, 1, 3), mask, "xla")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
@@ -131,21 +131,21 @@ def test_cached_steps_equal_full_forward(hf_tiny, family):
   tokens = rng.integers(0, 128, (b, t)).astype(np.int32)
   positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
   full = np.asarray(qwen2.forward(config, params, tokens, positions, causal(b, t)))
-  cache = qwen2.init_cache(config, b, max_len)
+  cache = cached.init_cache(config, b, max_len)
   slots = np.arange(max_len)
-  logits, cache = qwen2.forward_cached(
+  logits, cache = cached.forward_cached(
       config, params, tokens[:, :prefill], positions[:, :prefill], cache,
       positions[:, :prefill], slots[None, None, :] <= positions[:, :prefill, None])
   got = [np.asarray(logits)]
   for s in range(prefill, t):
     mask = slots[None, None, :] <= s
-    logits, cache = qwen2.forward_cached(
+    logits, cache = cached.forward_cached(
         config, params, tokens[:, s:s + 1], positions[:, s:s + 1], cache,
         positions[:, s:s + 1], np.broadcast_to(mask, (b, 1, max_len)))
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, 1), full, atol=TOL, rtol=0)
   # a dropped write (index >= max_len) leaves the cache untouched
-  _, same = qwen2.forward_cached(
+  _, same = cached.forward_cached(
       config, params, tokens[:, :1], positions[:, :1], cache,
       np.full((b, 1), max_len, np.int32), np.ones((b, 1, max_len), bool))
   np.testing.assert_array_equal(np.asarray(same["k"]), np.asarray(cache["k"]))

@@ -14,7 +14,7 @@ import pytest
 
 from mars_jax import hf, sampling
 from mars_jax.decoding import loop
-from mars_jax.models import qwen2
+from mars_jax.models import cached, qwen2
 
 MASK_ID = 127
 BLOCK = 4
@@ -169,8 +169,8 @@ def test_cache_holds_committed_kv(model):
   for i in range(len(PROMPTS)):
     n = int(cursor[i])
     assert len(PROMPTS[i]) < n < length[i]       # some K/V deferred, the rest committed
-    full = qwen2.forward_cached(
-        config, params, seq[i:i + 1, :n], jnp.arange(n)[None], qwen2.init_cache(config, 1, n),
+    full = cached.forward_cached(
+        config, params, seq[i:i + 1, :n], jnp.arange(n)[None], cached.init_cache(config, 1, n),
         jnp.arange(n)[None], jnp.tril(jnp.ones((n, n), bool))[None])[1]
     for key in ("k", "v"):
       np.testing.assert_allclose(np.asarray(state.cache[key][:, i, :, :n]),

@@ -14,7 +14,7 @@ from mars_jax import hf, sampling, serve
 from mars_jax.decoding import gates
 from mars_jax.decoding import loop
 from mars_jax.benchmarks import toy
-from mars_jax.models import qwen2
+from mars_jax.models import cached
 from mars_jax.decoding.window_policy import AcceptanceStats, CostTable, WindowPolicy
 from test_sampling import BLOCK, MASK_ID, PROMPTS, TAUS, naive_ar, naive_mars
 
@@ -113,9 +113,9 @@ def test_lossless_cache_holds_committed_kv_after_rollbacks(model):
   seq, cursor, length = (np.asarray(a) for a in (state.seq, state.cursor, state.length))
   assert np.all(cursor[:4] == length[:4] - 1)                  # the budget ended each sample
   n = int(cursor.max())
-  full = qwen2.forward_cached(
+  full = cached.forward_cached(
       config, params, seq[:, :n], jnp.broadcast_to(jnp.arange(n), (4, n)),
-      qwen2.init_cache(config, 4, n), jnp.broadcast_to(jnp.arange(n), (4, n)),
+      cached.init_cache(config, 4, n), jnp.broadcast_to(jnp.arange(n), (4, n)),
       jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (4, n, n)))[1]
   for i in range(len(PROMPTS)):
     for key in ("k", "v"):

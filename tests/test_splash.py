@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mars_jax import masks, objective, optimizer, sharding, train_step
-from mars_jax.models import qwen2, splash
+from mars_jax.models import attention, qwen2, splash
 
 from test_objective import MASK, random_params, tiny_config
 
@@ -79,10 +79,10 @@ def test_splash_skips_empty_blocks_and_keeps_blind_queries_finite(monkeypatch):
              zip(jax.random.split(jax.random.key(0), 3), (h, kvh, kvh)))
   seen = jnp.any(mask, axis=-1)[..., None, None]
   loss = lambda impl: lambda *qkv: jnp.sum(
-      jnp.where(seen, qwen2.attention(*qkv, mask, impl), 0.0) ** 2)
+      jnp.where(seen, attention.attention(*qkv, mask, impl), 0.0) ** 2)
   out = jax.jit(splash.splash_attention)(q, k, v, mask)
   assert bool(jnp.all(jnp.isfinite(out))) and not bool(jnp.all(seen))
-  ref = qwen2.attention(q, k, v, mask, "xla")
+  ref = attention.attention(q, k, v, mask, "xla")
   assert float(jnp.max(jnp.abs(jnp.where(seen, out - ref, 0.0)))) < TOL
   g_ref = jax.grad(loss("xla"), (0, 1, 2))(q, k, v)
   g_out = jax.jit(jax.grad(loss("splash"), (0, 1, 2)))(q, k, v)

@@ -33,7 +33,7 @@ from mars_jax.benchmarks.roofline import (forward_bytes, forward_flops, matmul_r
 from mars_jax.decoding import batching, loop, timing
 from mars_jax.benchmarks.sample import SHAPES
 from mars_jax.choices import Mode
-from mars_jax.models import qwen2
+from mars_jax.models import attention, qwen2
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4, "s8": 1, "u8": 1}
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (copy|transpose)\(")
@@ -132,7 +132,8 @@ def main(argv=None) -> None:
       sampled = None if sample is None else timed(sample=sample)
       # the timed steps accept one token each (tau 1): slots read up to steps + W,
       # in whole attention chunks
-      read = min(args.cache_len, -(-(args.steps + w) // qwen2.CACHE_CHUNK) * qwen2.CACHE_CHUNK)
+      chunk = attention.CACHE_CHUNK
+      read = min(args.cache_len, -(-(args.steps + w) // chunk) * chunk)
       mem = sum(forward_bytes(config, qwen2.DEFAULT_RUNTIME, b, read)) / bw
       flop = forward_flops(config, b * (2 * w - 1), (args.steps + w) // 2) / rate
       print(f"{b:5d} {w:2d} {b * (2 * w - 1):5d} {s * 1e3:8.3f} {mem * 1e3:8.3f} "

@@ -95,7 +95,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from mars_jax import sharding
 from mars_jax.choices import Mode
 from mars_jax.decoding import draws, gates
-from mars_jax.models import qwen2
+from mars_jax.models import cached, layers, qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 Array = jax.Array
@@ -180,9 +180,9 @@ def state_axes() -> DecodeState:
 
 
 def pin(state: DecodeState) -> DecodeState:
-  """`state` with every field pinned to its logical axes (`qwen2.constrain`: a no-op
+  """`state` with every field pinned to its logical axes (`layers.constrain`: a no-op
   unless traced `on_mesh`)."""
-  return jax.tree.map(lambda x, axes: qwen2.constrain(x, tuple(axes)), state, state_axes())
+  return jax.tree.map(lambda x, axes: layers.constrain(x, tuple(axes)), state, state_axes())
 
 
 def on_mesh(mesh: Mesh | None):
@@ -338,7 +338,7 @@ def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
     return jnp.zeros((batch,), jnp.int32)
   return DecodeState(
       seq=jnp.zeros((batch, cache_len), jnp.int32),
-      cache=qwen2.init_cache(config, batch, cache_len, runtime=runtime),
+      cache=cached.init_cache(config, batch, cache_len, runtime=runtime),
       cursor=zeros(), length=zeros(), draft=zeros(), prompt_len=zeros(), limit=zeros(),
       controls=jax.tree.map(jnp.array, new_controls(batch, stop_ids)),
       done=jnp.ones((batch,), bool), forwards=zeros(),

@@ -24,7 +24,7 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode), best of `repeats` runs of `steps` steps after one that compiles.
 
-  A step reads the cache up to its live length (`qwen2.cached_attention`), so the
+  A step reads the cache up to its live length (`attention.cached_attention`), so the
   steps run around the middle of the bucket, as a decode that fills it does on
   average: `batch` rows whose `live` prompt tokens count as prefilled (cursor at the
   last one; their K/V are left as zeros, which costs the same), tau 1. mesh: the one

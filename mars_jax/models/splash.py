@@ -1,5 +1,5 @@
 """Splash attention: JAX's Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.
-splash_attention`) behind the contract of `qwen2.attention`.
+splash_attention`) behind the contract of `attention.attention`.
 
 The kernel tiles the [t, s] score matrix into [block_q, block_kv] blocks and reads a
 block-sparse mask: each block is empty (skipped: no K/V fetched, no FLOPs), full (no
@@ -30,7 +30,7 @@ the real kernel (TPU) or Pallas' interpreter (anything else, e.g. CPU tests),
 through `jax.lax.platform_dependent`. Under a mesh bound by
 `sharding.activation_sharding`, the call is a `shard_map` with the batch split as
 `activation_batch` (data, fsdp) and the heads as `activation_heads` (tensor), the
-layout `qwen2.constrain` pins around it; kv heads that the tensor axis does not
+layout `layers.constrain` pins around it; kv heads that the tensor axis does not
 divide are repeated to one per query head first.
 """
 
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
-from mars_jax.models import qwen2
+from mars_jax.models.layers import fit_spec
 
 Array = jax.Array
 MAX_BLOCK = 512  # tile of the q and kv axes on long sequences
@@ -117,7 +117,7 @@ def _sharded(fn, q: Array, k: Array, v: Array, mask: Array) -> Array:
   rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
   if not rules or mesh.empty or mesh.size == 1:
     return fn(q, k, v, mask)
-  spec = lambda x, axes: qwen2.fit_spec(nn.logical_to_mesh_axes(axes, rules), x.shape, mesh)
+  spec = lambda x, axes: fit_spec(nn.logical_to_mesh_axes(axes, rules), x.shape, mesh)
   q_spec, kv_spec = spec(q, Q_AXES), spec(k, KV_AXES)
   if kv_spec[1] != q_spec[1]:  # kv heads not split like the query heads: one per head
     k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
@@ -129,7 +129,7 @@ def _sharded(fn, q: Array, k: Array, v: Array, mask: Array) -> Array:
 
 def splash_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
   """Grouped-query attention through the splash kernel (the contract of
-  `qwen2.attention`).
+  `attention.attention`).
 
   q: [b, t, heads, d]; k, v: [b, s, kv_heads, d]; mask: bool[b, t, s] (True = may
   attend) -> [b, t, heads, d]. Queries are scaled by 1 / sqrt(d) before the kernel, as

@@ -4,7 +4,7 @@
 
 The model, tokenizer and data are configs/tiny.py's, and so is the parent's run length;
 each child runs 300 steps (the run docs/results.md reports). `study` sets the run lengths,
-the variants and the evaluation grid (see mars_jax/study.py). With the defaults the
+the variants and the evaluation grid (see mars_jax/training/study.py). With the defaults the
 parent is configs/tiny.py's stage 1, so `--config.study.parent_dir=runs/tiny/stage1`
 reuses the default run's parent; the MARS variants run the paper's objective
 (ar_weight 1, or 0 without the AR loss) at configs/tiny.py's stage-2 learning rate.

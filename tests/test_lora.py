@@ -359,7 +359,7 @@ def test_two_processes_equal_one(tmp_path):
 
 def test_study_lora_variants_train_mars_b4_through_adapters():
   from test_configs import load
-  from mars_jax import study
+  from mars_jax.training import study
   cfg = load(os.path.join(ROOT, "configs", "study.py"))
   c = study.variant_config(cfg, "lora_r32_frozen_mask", "runs/parent")
   assert (c.lora.rank, c.lora.alpha, c.lora.train_mask_row) == (32, 64.0, False)

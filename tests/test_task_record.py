@@ -188,7 +188,7 @@ def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, ca
 def test_study_report_names_the_settings(tmp_path):
   """The study report states the held-out split's settings and names a run evaluated on
   other ones (a reused parent whose task.json differs from the study's data)."""
-  from mars_jax import study
+  from mars_jax.training import study
   cfg = _config("study")
   own = study.split_settings(task_settings(cfg.data))
   row = {"metric": "probability", "window": 4, "tau": 1.0, "accuracy": 0.5,

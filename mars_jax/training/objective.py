@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import choices, masks
+from mars_jax import choices
+from mars_jax.training import masks
 from mars_jax.choices import IntraBlock, Kind, Normalization
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime

@@ -18,15 +18,15 @@ anything is compiled.
                     model.init is a model or run)
   lora.*            rank (0: full fine-tuning), alpha, dropout, targets (a regex over
                     "attn/q_kernel" .. "mlp/down_kernel"), train_mask_row: LoRA over
-                    the frozen model (mars_jax/lora.py); a MARS stage also trains the
+                    the frozen model (mars_jax/training/lora.py); a MARS stage also trains the
                     `<|mask|>` embedding row unless train_mask_row is False
-  objective.*       mars_jax.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...);
+  objective.*       mars_jax.training.objective.ObjectiveConfig (kind "ar_sft" | "mars", ...);
                     stream_length unset: the trainer derives the shortest target
                     stream that holds every example's target blocks (the whole row
                     when packing); random_block_offset True here (each row's blocks
                     shifted at random every step, docs/design.md), False: the
                     paper's fixed partition position // B
-  optimizer.*       mars_jax.optimizer.OptimizerConfig (total_steps comes from train.steps)
+  optimizer.*       mars_jax.training.optimizer.OptimizerConfig (total_steps comes from train.steps)
   data.*            mars_jax.data.default_config()
   mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
   train.*           batch_size (global), micro_batches, steps (None: from data epochs),
@@ -51,8 +51,8 @@ import ml_collections
 from mars_jax import data as data_lib
 from mars_jax.choices import Kind
 from mars_jax.models import qwen2
-from mars_jax.objective import ObjectiveConfig
-from mars_jax.optimizer import OptimizerConfig
+from mars_jax.training.objective import ObjectiveConfig
+from mars_jax.training.optimizer import OptimizerConfig
 from mars_jax.sharding import MeshConfig
 
 placeholder = ml_collections.config_dict.placeholder

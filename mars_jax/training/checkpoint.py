@@ -22,9 +22,9 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
-from mars_jax import lora
+from mars_jax.training import lora
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, abstract_params, relayout
-from mars_jax.train_step import TrainState
+from mars_jax.training.step import TrainState
 
 LAYOUT_FILE = "layout.json"
 # Facts that change what a checkpoint means; a resumed run must agree on them.

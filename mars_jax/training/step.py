@@ -14,7 +14,7 @@ logical axis rules (`sharding.activation_sharding`). The step is
 `jax.jit(in_shardings=(state, batch), out_shardings=(state, replicated metrics),
 donate_argnums=0)`: the state passed in is consumed.
 
-With `runtime.lora` (mars_jax/lora.py) the state's params hold the frozen weights and
+With `runtime.lora` (mars_jax/training/lora.py) the state's params hold the frozen weights and
 the adapters; gradients, clipping and the optimizer state cover the adapters (and the
 mask row) alone, and the frozen weights pass through the step unchanged.
 """
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from mars_jax import lora, objective as objective_lib
+from mars_jax.training import lora, objective as objective_lib
 from mars_jax import sharding
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime

@@ -5,7 +5,7 @@
 
 Resumes from the latest complete checkpoint in `run_dir` (params, optimizer state,
 step, data-iterator state); a finished stage returns at once. Every process calls
-it; process 0 alone logs (to the `mars_jax.trainer` logger: INFO progress, WARNING
+it; process 0 alone logs (to the `mars_jax.training.loop` logger: INFO progress, WARNING
 problems) and writes files other than checkpoints.
 
 Eval loss: every `train.eval_every` steps (on a log step) over the first
@@ -40,11 +40,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from mars_jax import checkpoint, hf, lora, objective as objective_lib, sharding, train_config
-from mars_jax import train_step as ts
+from mars_jax import hf, sharding
+from mars_jax.training import checkpoint, lora, objective as objective_lib, config as train_config
+from mars_jax.training import step as ts
 from mars_jax.data import load_data, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
-from mars_jax.optimizer import make_optimizer, make_schedule
+from mars_jax.training.optimizer import make_optimizer, make_schedule
 
 _LOG = logging.getLogger(__name__)
 BAD_RECORDS = "bad_records.txt"   # in the run dir: "file:line: kind: reason" of each

@@ -7,7 +7,7 @@ WORKDIR/stage2 after a stage 1), resuming each from its latest checkpoint (with
 lora.rank > 0 each trains adapters over the weights it starts from, which are then
 merged for the next stage, the evaluation and the export); then,
 if asked, evaluates on the synthetic test split and exports the final weights to
-WORKDIR/hf. Every process calls it. Fields: see mars_jax/train_config.py.
+WORKDIR/hf. Every process calls it. Fields: see mars_jax/training/config.py.
 
 Progress and notices go to Python logging (INFO; `python -m mars_jax.train` shows
 them on stderr); the final evaluation's accuracy tables, a result, are printed.
@@ -21,7 +21,8 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from mars_jax import checkpoint, evaluate, hf, lora, train_config, trainer
+from mars_jax import evaluate, hf
+from mars_jax.training import checkpoint, lora, config as train_config, loop as trainer
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.tokenizer import BUILDERS
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model

@@ -42,15 +42,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from mars_jax import cli, hardware, masks, sharding, train_config
-from mars_jax import train_step as ts
+from mars_jax import cli, hardware, sharding
+from mars_jax.training import config as train_config, masks
+from mars_jax.training import step as ts
 from mars_jax.benchmarks.step import train_flops
 from mars_jax.decoding import loop, mesh as decode_mesh
 from mars_jax.models import attention, qwen2
-from mars_jax.optimizer import make_optimizer
+from mars_jax.training.optimizer import make_optimizer
 
 
 @dataclasses.dataclass
@@ -359,11 +360,8 @@ def main(argv=None) -> None:
                                   "more micro-batches / remat full until one fits")
   train_flag = flags.DEFINE_bool("train", True, "the train and eval steps (--notrain: "
                                  "the decoding loop only)")
-  flags.mark_flags_as_required(["config", "topology"])
 
-  def run(args):
-    if len(args) > 1:
-      raise app.UsageError(f"unexpected arguments {args[1:]}")
+  def run(_):
     jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     name = os.path.splitext(os.path.basename(
         config_flags.get_config_filename(flags.FLAGS["config"])))[0]
@@ -380,7 +378,7 @@ def main(argv=None) -> None:
       json.dump(report, f, indent=1)
     print(f"wrote {out}")
 
-  app.run(run, argv=argv)
+  cli.run(run, argv=argv, required=("config", "topology"))
 
 
 if __name__ == "__main__":

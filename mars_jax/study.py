@@ -25,19 +25,18 @@ from __future__ import annotations
 import logging
 import sys
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from mars_jax import cli
 from mars_jax.training.study import run_study, write_report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "study config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "study directory")
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+def main(_) -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   logging.getLogger("mars_jax").setLevel(logging.INFO)  # progress, via absl's handler to stderr
   cfg = _CONFIG.value
@@ -48,5 +47,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  cli.run(main, required=("config", "workdir"))

@@ -1,8 +1,8 @@
 """`python -m mars_jax.train --config configs/X.py [--config.a.b=value ...] --workdir DIR`.
 
 Starts the distributed runtime (mars_jax.distributed), checks that every process
-has the same config, and runs the experiment (mars_jax.experiment: stage 1, main
-stage, final evaluation, export). Fields: see mars_jax/train_config.py.
+has the same config, and runs the experiment (mars_jax.training.experiment: stage 1, main
+stage, final evaluation, export). Fields: see mars_jax/training/config.py.
 
 A config or data error (a bad value, a missing file, bad records under
 data.on_bad="error", a refused export directory) prints one line, `error: ...`, and
@@ -19,12 +19,13 @@ import logging
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 import jax
 from ml_collections import config_flags
 
-from mars_jax import cli, distributed, experiment, trainer
+from mars_jax import cli, distributed
+from mars_jax.training import experiment, loop as trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -33,11 +34,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (checkpoints, met
 _LOG = logging.getLogger("mars_jax.train")
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if _WORKDIR.value is None:
-    raise app.UsageError("--workdir is required")
+def main(_) -> None:
   cfg = _CONFIG.value
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   logging.getLogger("mars_jax").setLevel(logging.INFO)  # progress, via absl's handler to stderr
@@ -58,5 +55,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main, required=("config", "workdir"))

@@ -2,13 +2,17 @@
 
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from mars_jax import evaluate, loading, masks, objective, sampling, serve
+from mars_jax import evaluate, loading, sampling, serve
+from mars_jax.training import masks, objective
 from mars_jax.decoding import batching
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, init_params
 
@@ -125,3 +129,62 @@ def test_choices_are_checked_with_one_message(call, field, allowed):
   with pytest.raises(ValueError, match=re.escape(f"; expected one of {allowed}.")) as e:
     call()
   assert str(e.value).startswith(f"{field}=")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The C++ logging some jaxlib builds print at import (e.g. the CUDA plugin's "Could not
+# find cuda drivers" on a host without a GPU): not the CLI's output.
+_CPP_LOG = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|WARNING: All log messages before "
+                      r"absl::InitializeLog\(\))")
+
+
+def cli(module, *args, cwd=ROOT):
+  """`python -m module args` -> (exit status, stdout, the stderr lines the CLI wrote)."""
+  r = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True,
+                     text=True, env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+                     timeout=120)
+  return r.returncode, r.stdout, [l for l in r.stderr.splitlines() if not _CPP_LOG.match(l)]
+
+
+def assert_one_line_error(module, *args, says=""):
+  status, _, err = cli(module, *args)
+  assert status == 2 and len(err) == 1 and err[0].startswith("error: "), (status, err)
+  assert says in err[0], err[0]
+
+
+CONFIG_CLIS = {"mars_jax.train": ["--workdir", "unused"], "mars_jax.plan": ["--topology", "v5p-8"],
+               "mars_jax.study": ["--workdir", "unused"], "mars_jax.data.prepare": []}
+FLAG_MISTAKES = {
+    "misspelled key": (["--config", "configs/tiny.py", "--config.train.stepz=3"],
+                       "error: --config.train.stepz: no such key in the config (did you mean "
+                       "train.steps?)"),
+    "missing file": (["--config", "configs/nope.py"], "error: configs/nope.py: no such config "
+                     "file"),
+    "bad value": (["--config", "configs/tiny.py", "--config.train.steps=abc"],
+                  "--config.train.steps=abc: invalid literal for int()"),
+    "no config": ([], "error: --config is required"),
+}
+
+
+@pytest.mark.parametrize("module", CONFIG_CLIS)
+def test_config_clis_help_exits_0(module):
+  status, out, _ = cli(module, "--help")
+  assert status == 0 and "--config" in out
+
+
+@pytest.mark.parametrize("module,mistake", [
+    *(("mars_jax.train", m) for m in FLAG_MISTAKES),
+    ("mars_jax.plan", "misspelled key"), ("mars_jax.study", "missing file"),
+    ("mars_jax.data.prepare", "bad value")])
+def test_config_cli_flag_mistakes_are_one_line(module, mistake):
+  """Each config CLI parses its flags through cli.run: train meets every mistake, the
+  others one each."""
+  args, says = FLAG_MISTAKES[mistake]
+  assert_one_line_error(module, *args, *CONFIG_CLIS[module], says=says)
+
+
+def test_config_cli_misplaced_and_required_flags():
+  assert_one_line_error("mars_jax.train", "--config", "configs/tiny.py", says="error: "
+                        "--workdir is required")
+  assert_one_line_error("mars_jax.train", "--config", "configs/tiny.py", "--workdir", "w", "x",
+                        says="error: unexpected arguments ['x']")

@@ -23,11 +23,12 @@ import logging
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mars_jax import cli, distributed, experiment
+from mars_jax import cli, distributed
+from mars_jax.training import experiment
 from mars_jax.data import cache, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
@@ -54,9 +55,7 @@ def prepare(cfg, workers: int | None = None) -> str:
           f"({report.built} shards built, {report.reused} found)")
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+def main(_) -> None:
   cfg = _CONFIG.value
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("mars_jax").setLevel(logging.INFO)
@@ -69,5 +68,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main)

@@ -13,7 +13,7 @@ and fitted by `python -m mars_jax.plan --config configs/qwen2_5_7b_lora.py --top
 h200-8`; docs/performance.md has its memory against full MARS.
 """
 
-from mars_jax.train_config import paper_config
+from mars_jax.training.config import paper_config
 
 
 def get_config():

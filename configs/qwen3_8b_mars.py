@@ -8,7 +8,7 @@ Compiled and fitted by `python -m mars_jax.plan --config configs/qwen3_8b_mars.p
 docs/performance.md has the per-chip memory, headroom and step times.
 """
 
-from mars_jax.train_config import paper_config
+from mars_jax.training.config import paper_config
 
 
 def get_config():

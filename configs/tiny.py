@@ -21,7 +21,7 @@ the fixed partition, MARS decoding of the previous default's child at tau 0.9 lo
 52 points against its AR mode (docs/default.md).
 """
 
-from mars_jax.train_config import base_config
+from mars_jax.training.config import base_config
 
 
 def get_config():

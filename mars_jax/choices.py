@@ -6,7 +6,7 @@
   Kind           objective: "mars" (two streams) or "ar_sft" (plain causal)
   IntraBlock     noisy-stream attention inside a block: "causal" (MARS) or
                  "bidirectional" (Block Diffusion)
-  Normalization  loss weights: "sequence" or "token" (`mars_jax.objective`)
+  Normalization  loss weights: "sequence" or "token" (`mars_jax.training.objective`)
   Remat          decoder-layer rematerialisation policy (`mars_jax.models.qwen2`)
   AttentionImpl  "xla" (einsum), "dot_product_attention" (`jax.nn.dot_product_attention`),
                  "cudnn" (the same, forced to cuDNN), "splash" (JAX's Pallas TPU

@@ -12,7 +12,7 @@ A LoRA run (`--config.lora.rank=R`) exports two ways:
   --adapter   a PEFT adapter directory (adapter_config.json, adapter_model.safetensors,
               the mask row as PEFT's trainable token indices, the tokenizer) that
               `peft.PeftModel.from_pretrained(base, OUT)` loads over the HF model the
-              run started from (mars_jax/peft_adapter.py); a run that started from
+              run started from (mars_jax/training/peft_adapter.py); a run that started from
               another run needs that one exported as the base.
 
 --out must be new or empty, or an earlier export by mars_jax with --overwrite; it
@@ -26,7 +26,8 @@ import argparse
 import os
 import sys
 
-from mars_jax import checkpoint, hf, peft_adapter
+from mars_jax import hf
+from mars_jax.training import checkpoint, peft_adapter
 from mars_jax.data import synthetic
 
 

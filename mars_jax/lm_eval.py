@@ -73,7 +73,8 @@ from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from mars_jax import masks, objective, sampling  # noqa: E402
+from mars_jax import sampling  # noqa: E402
+from mars_jax.training import masks, objective  # noqa: E402
 from mars_jax.decoding import gates  # noqa: E402
 from mars_jax.choices import Metric, Mode  # noqa: E402
 from mars_jax.decoding import batching  # noqa: E402

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from mars_jax import checkpoint, hf
+from mars_jax import hf
+from mars_jax.training import checkpoint
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding import speculative
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mars_jax import train_config
+from mars_jax.training import config as train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))

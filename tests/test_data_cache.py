@@ -224,7 +224,7 @@ def test_two_processes_build_their_shares_and_read_the_union(model_dir, tmp_path
 def test_the_stream_length_count_is_kept_with_the_cache(setup):
   """The trainer's count of target-block positions (what sizes the MARS stream) is the
   in-memory pipeline's, and a cached file keeps it for the next start."""
-  from mars_jax import trainer  # pylint: disable=import-outside-toplevel
+  from mars_jax.training import loop as trainer  # pylint: disable=import-outside-toplevel
   ref = load_data({**_cfg(setup), "cache": False}, setup["tok"])
   data = load_data(_cfg(setup), setup["tok"])
   for source, other in ((ref.train, data.train), (ref.eval, data.eval)):

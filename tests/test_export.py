@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from mars_jax import checkpoint, export, hf, loading
+from mars_jax import export, hf, loading
+from mars_jax.training import checkpoint
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, init_params
 
 CONFIG = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

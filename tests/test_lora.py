@@ -18,11 +18,12 @@ from test_multiprocess import train_2proc
 from test_train import assert_bitwise, kill_after_a_checkpoint, losses, params_of, train
 from test_user_path import ROOT, cli
 
-from mars_jax import checkpoint, hf, lora, objective, peft_adapter, sharding
-from mars_jax import train_step as ts
+from mars_jax import hf, sharding
+from mars_jax.training import checkpoint, lora, objective, peft_adapter
+from mars_jax.training import step as ts
 from mars_jax.models import qwen2
 from mars_jax.models.config import LoraSpec
-from mars_jax.optimizer import OptimizerConfig, make_optimizer
+from mars_jax.training.optimizer import OptimizerConfig, make_optimizer
 
 TINY = qwen2.preset("qwen2.5-0.5b", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mars_jax import masks
+from mars_jax.training import masks
 
 
 def naive_two_stream(positions, segment_ids, block_size, intra_block):

@@ -83,7 +83,7 @@ def test_export_of_two_process_checkpoint(two_proc, tmp_path):
       "Qwen2ForCausalLM"]
   ids = tok("Ann has 3 apples. #### 7", return_tensors="pt").input_ids
   from mars_jax.models import qwen2
-  from mars_jax import checkpoint
+  from mars_jax.training import checkpoint
   config, runtime, params = checkpoint.load_params(two_proc)   # in the run's layer layout
   t = ids.shape[1]
   ours = qwen2.forward(config, params, ids.numpy().astype(np.int32),

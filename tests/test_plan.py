@@ -17,8 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-from mars_jax import hardware, plan, sharding, train_config, train_step
-from mars_jax.optimizer import make_optimizer
+from mars_jax import hardware, plan, sharding
+from mars_jax.training import config as train_config, step as train_step
+from mars_jax.training.optimizer import make_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -17,7 +17,7 @@ from test_train import ROOT, SMALL, assert_bitwise, losses, params_of, train
 # SIGTERM's; no eval loss, whose compilation adds seconds to every run.
 STEPS = ["--config.train.steps=40", "--config.train.checkpoint_every=100",
          "--config.train.eval_batches=0"]
-PREEMPTED_EXIT = 143   # mars_jax.trainer.PREEMPTED_EXIT, as a caller writes it
+PREEMPTED_EXIT = 143   # mars_jax.training.loop.PREEMPTED_EXIT, as a caller writes it
 
 
 def wait_for_logged_step(run_dir, procs):
@@ -36,7 +36,7 @@ def wait_for_logged_step(run_dir, procs):
 def assert_saved_at(run_dir, nproc):
   """-> the one checkpoint step, finalised, with every process's data state; the
   metrics stop there."""
-  from mars_jax import checkpoint
+  from mars_jax.training import checkpoint
   ckpts = os.listdir(os.path.join(run_dir, "checkpoints"))
   step = checkpoint.resolve_checkpoint(run_dir)[1]
   assert ckpts == [str(step)], ckpts   # no orbax tmp directory left
@@ -68,7 +68,7 @@ def test_sigterm_saves_then_resumes_exactly(tmp_path):
 
 def test_handler_only_during_the_loop():
   """A library caller's SIGTERM handler is back once the loop ends."""
-  from mars_jax import trainer
+  from mars_jax.training import loop as trainer
   mine = lambda *_: None
   previous = signal.signal(signal.SIGTERM, mine)
   try:

@@ -18,7 +18,8 @@ import pytest
 import torch
 import transformers
 
-from mars_jax import checkpoint, hf, sampling
+from mars_jax import hf, sampling
+from mars_jax.training import checkpoint
 from mars_jax.data import build_char_tokenizer, model_vocab_size
 from mars_jax.models import qwen2
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mars_jax import objective, optimizer, sharding, train_step
+from mars_jax import sharding
+from mars_jax.training import objective, optimizer, step as train_step
 from mars_jax.models import qwen2
 
 TOL = 1e-5

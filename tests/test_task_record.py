@@ -142,7 +142,8 @@ def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, ca
   """The real path: experiment.run (1 step of a tiny model, easy problems, split seed 3,
   test fraction 0.2) writes task.json into its run dir and HF export; the final eval,
   `export` and the evaluate CLI on the export all draw the same test problems."""
-  from mars_jax import experiment, export
+  from mars_jax import export
+  from mars_jax.training import experiment
   cfg = _config("tiny")
   cfg.model.overrides.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1))

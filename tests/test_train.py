@@ -44,7 +44,7 @@ def losses(run_dir):
 
 
 def params_of(run_dir):
-  from mars_jax import checkpoint
+  from mars_jax.training import checkpoint
   import jax
   _, _, params = checkpoint.load_params(run_dir)
   return jax.tree.map(np.asarray, params)
@@ -108,7 +108,7 @@ def kill_after_a_checkpoint(run_dir, *extra, steps=6, at_least=2) -> int:
   assert proc.poll() is None, "the run finished before it could be killed"
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  from mars_jax import checkpoint
+  from mars_jax.training import checkpoint
   _, killed_at = checkpoint.resolve_checkpoint(run_dir)
   assert at_least <= killed_at < steps
   return killed_at
@@ -163,7 +163,7 @@ def test_file_source_trains_with_or_without_held_out_slice(tmp_path, num_eval):
     assert not notice and all(np.isfinite(row["eval_loss"]) for row in rows)
   else:
     assert notice and not any("eval_loss" in row for row in rows)
-  from mars_jax import checkpoint
+  from mars_jax.training import checkpoint
   assert checkpoint.resolve_checkpoint(d)[1] == 3
 
 
@@ -171,7 +171,7 @@ def test_eval_batches_zero_means_no_eval_loss(tmp_path):
   """train.eval_batches=0 never fails, even with no eval set or one smaller than a
   batch; a held-out slice smaller than one batch is a clear error at set-up otherwise."""
   import ml_collections
-  from mars_jax import trainer
+  from mars_jax.training import loop as trainer
   from mars_jax.data import build_char_tokenizer, load_data
   tok = build_char_tokenizer()
   path = _chat_file(tmp_path / "chat.jsonl", n=20)
@@ -213,7 +213,8 @@ def test_tiny_two_stage_end_to_end(tmp_path):
   tok = transformers.AutoTokenizer.from_pretrained(os.path.join(d, "hf"))
   assert tok.convert_tokens_to_ids("<|mask|>") == 3
   ids = tok("1+2=3", return_tensors="pt").input_ids
-  from mars_jax import hf, checkpoint
+  from mars_jax import hf
+  from mars_jax.training import checkpoint
   config, _, params = checkpoint.load_params(os.path.join(d, "stage2"))
   import jax.numpy as jnp
   from mars_jax.models import qwen2

@@ -112,7 +112,8 @@ def test_export_matches_transformers_and_knows_the_mask_token(user):
   import jax.numpy as jnp
   import torch
   import transformers
-  from mars_jax import checkpoint, hf
+  from mars_jax import hf
+  from mars_jax.training import checkpoint
   from mars_jax.models import qwen2
 
   tok = transformers.AutoTokenizer.from_pretrained(user["out"])

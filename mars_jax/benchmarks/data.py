@@ -314,7 +314,7 @@ def child_ours_warm(a) -> dict:
   start = _started()
   # pylint: disable=import-outside-toplevel,unused-import
   from transformers import AutoTokenizer  # noqa: F401  (as the peer's: transformers imports
-  from mars_jax import experiment         # its tokenizer modules lazily, at first use)
+  from mars_jax.training import experiment  # its tokenizer modules lazily, at first use)
   from mars_jax.data import load_data
   import_s = time.time() - start
   cfg = _tiny_config(a.model, a.chats_file, a.cache)

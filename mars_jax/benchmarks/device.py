@@ -45,7 +45,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import choices, hardware, objective, optimizer, sharding
+from mars_jax import choices, hardware, sharding
+from mars_jax.training import objective, optimizer
 from mars_jax.benchmarks import sample, step, toy
 from mars_jax.benchmarks.roofline import forward_bytes
 from mars_jax.choices import AttentionImpl, Remat

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import choices, masks, objective, optimizer, sharding, train_step
+from mars_jax import choices, sharding
+from mars_jax.training import masks, objective, optimizer, step as train_step
 from mars_jax.choices import Kind, Remat
 from mars_jax.models import qwen2
 
@@ -143,7 +144,7 @@ def default_scenario():
   """configs/tiny.py's model config, batch size and a batch of its task's real examples."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
-  from mars_jax import train_config  # pylint: disable=import-outside-toplevel
+  from mars_jax.training import config as train_config  # pylint: disable=import-outside-toplevel
   from mars_jax.data import (build_tokenizer, load_data,  # pylint: disable=import-outside-toplevel
                              model_vocab_size)
   path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny.py")

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mars_jax import hf, objective
+from mars_jax import hf
+from mars_jax.training import objective
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import Qwen2Config
 

@@ -40,7 +40,8 @@ import signal
 
 log = logging.getLogger("mars_jax.serve")
 
-from mars_jax import checkpoint, choices, hf
+from mars_jax import choices, hf
+from mars_jax.training import checkpoint
 from mars_jax.choices import Metric, Mode
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import WindowPolicy

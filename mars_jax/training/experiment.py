@@ -22,7 +22,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from mars_jax import evaluate, hf
-from mars_jax.training import checkpoint, lora, config as train_config, loop as trainer
+from mars_jax.training import checkpoint, config as train_config, lora, loop as trainer
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.tokenizer import BUILDERS
 from mars_jax.loading import LoadedModel, eos_token_ids, load_model

@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from mars_jax import hf, sharding
-from mars_jax.training import checkpoint, lora, objective as objective_lib, config as train_config
+from mars_jax.training import checkpoint, config as train_config, lora, objective as objective_lib
 from mars_jax.training import step as ts
 from mars_jax.data import load_data, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime

@@ -4,7 +4,8 @@ Writes a training checkpoint (from any number of processes) as a Hugging Face
 directory that `transformers.AutoModelForCausalLM` loads, with the run's tokenizer
 (which knows `<|mask|>`; files transformers 5.x and 4.5x both read) and the source
 checkpoint's generation_config.json when the run saved them. Permissions follow the
-umask.
+umask. RUN_DIR may be the top directory of a run in stages (configs/tiny.py's WORKDIR,
+with WORKDIR/stage1 and WORKDIR/stage2): its last stage is exported, and named on stderr.
 
 A LoRA run (`--config.lora.rank=R`) exports two ways:
   --merge     (the default) the adapters folded into the weights and the trained
@@ -24,9 +25,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from mars_jax import hf
+from mars_jax import cli, hf, loading
 from mars_jax.training import checkpoint, peft_adapter
 from mars_jax.data import synthetic
 
@@ -97,7 +97,9 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.export", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--checkpoint", required=True, help="RUN_DIR (latest step) or RUN_DIR/STEP")
+  p.add_argument("--checkpoint", required=True,
+                 help="RUN_DIR (latest step), RUN_DIR/STEP, or the top of a run in stages "
+                      "(its last stage)")
   p.add_argument("--out", required=True, help="output Hugging Face directory")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                  help="storage dtype of the exported weights (default: the run's)")
@@ -113,14 +115,11 @@ def main(argv=None) -> None:
   how.add_argument("--adapter", action="store_true",
                    help="a LoRA run: write a PEFT adapter directory instead of a model")
   args = p.parse_args(argv)
-  try:
-    out = export(args.checkpoint, args.out, dtype=args.dtype,
-                 max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                 adapter=args.adapter)
-  except (hf.ExportTargetError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  print(f"exported {args.checkpoint} -> {out}")
+  with cli.one_line_errors():
+    source = loading.model_path(args.checkpoint)
+    out = export(source, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                 overwrite=args.overwrite, adapter=args.adapter)
+  print(f"exported {source} -> {out}")
 
 
 if __name__ == "__main__":

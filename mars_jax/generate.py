@@ -10,11 +10,11 @@ sampled.
   python -m mars_jax.generate --model TARGET --drafter DRAFT --draft-window 4 --prompt "..."
 
 --model is a Hugging Face directory (config.json + safetensors + tokenizer) or a
-training run directory (latest checkpoint, or RUN_DIR/STEP). Prompts get the
-tokenizer's chat template as one user turn (--system adds a system turn;
---raw feeds the text as is). A JSONL line is {"prompt": "..."} or
-{"messages": [{"role": ..., "content": ...}, ...]}; a trailing assistant turn is
-dropped, so chat data files work as prompt files.
+training run directory (latest checkpoint, or RUN_DIR/STEP; the top of a run in stages
+reads its last stage). Prompts get the tokenizer's chat template as one user turn
+(--system adds a system turn; --raw feeds the text as is). A JSONL line is
+{"prompt": "..."} or {"messages": [{"role": ..., "content": ...}, ...]}; a trailing
+assistant turn is dropped, so chat data files work as prompt files.
 
 --drafter DRAFT decodes with a second model that shares the target's tokenizer (AR or
 MARS, any size): each round it drafts up to --draft-window K tokens and the target
@@ -39,11 +39,12 @@ from typing import Sequence
 
 import numpy as np
 
-from mars_jax import choices, sampling
+from mars_jax import choices, cli, sampling
 from mars_jax.decoding import batching, gates
 from mars_jax.choices import Mode
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.loading import chat_prompt_ids, load_drafter, load_model, warn_untrained_windows
+from mars_jax.loading import (chat_prompt_ids, load_drafter, load_model, model_path,
+                              warn_untrained_windows)
 from mars_jax.models.qwen2 import Runtime
 
 SEED_RANGE = 1 << 32  # seeds are uint32
@@ -120,7 +121,8 @@ def add_sampling_flags(p: argparse.ArgumentParser, seed_flag: str, seed_help: st
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.generate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", required=True, help="HF directory, or RUN_DIR[/STEP]")
+  p.add_argument("--model", required=True,
+                 help="HF directory, RUN_DIR[/STEP], or the top of a run in stages")
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", help="one prompt (a user turn)")
   src.add_argument("--prompts", help="JSONL file of prompts")
@@ -159,16 +161,16 @@ def main(argv=None) -> None:
                  help="with --drafter: its tokens per forward (1: AR drafting; default: a "
                       "MARS run's B + 1, at most K, else 1)")
   args = p.parse_args(argv)
-  try:
+  with cli.one_line_errors():  # bad input: one line, status 2
     run(args)
-  except (ValueError, FileNotFoundError) as e:  # bad input: the message, no traceback
-    p.exit(2, f"{p.prog}: error: {e}\n")
 
 
 def run(args) -> None:
   """The command on parsed arguments (see `main`)."""
   window = args.window if args.window == "auto" else int(args.window)
   check_sampling_flags(args.temperature, args.top_k, args.top_p, args.seed)
+  gates.check_tau(args.tau, args.metric, "--tau")
+  args.model = model_path(args.model)
   runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
   model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
   if window != "auto":

@@ -4,7 +4,8 @@
                                       tokenizer, mask_token_id, eos_token_ids, mesh)
 
 `path` is an HF directory (config.json + safetensors + tokenizer files), a run
-directory (its latest checkpoint), or RUN_DIR/<step>. The params come in the
+directory (its latest checkpoint), RUN_DIR/<step>, or the top directory of a run in
+stages (its last stage's run). The params come in the
 layout of `runtime` (default: float32 for an HF directory, the run's own runtime
 for a run), which the model is then computed with. With a `mesh` they are placed
 with the decode shardings (`mars_jax.decoding.mesh`): a checkpoint is restored
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -89,6 +91,16 @@ def load_model(path: str, *, runtime: Runtime | None = None,
   tokenizer, mask_id = hf.load_tokenizer(tok_dir, config.vocab_size)
   return LoadedModel(config, runtime, params, tokenizer, mask_id,
                      eos_token_ids(tokenizer, config, tok_dir), mesh)
+
+
+def model_path(path: str) -> str:
+  """A CLI's --model or --checkpoint -> the path to read: `path`, or the last stage of a
+  run in stages (`checkpoint.last_stage`), which it names on stderr. FileNotFoundError
+  when nothing is at `path`."""
+  stage = checkpoint.last_stage(path)
+  if stage != path:
+    print(f"{path}: a run in stages; reading its last stage, {stage}", file=sys.stderr)
+  return stage
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from mars_jax import evaluate, loading, sampling, serve
-from mars_jax.training import masks, objective
-from mars_jax.decoding import batching
+from mars_jax.training import checkpoint, masks, objective
+from mars_jax.decoding import batching, gates
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, init_params
 
 CONFIG = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -188,3 +188,42 @@ def test_config_cli_misplaced_and_required_flags():
                         "--workdir is required")
   assert_one_line_error("mars_jax.train", "--config", "configs/tiny.py", "--workdir", "w", "x",
                         says="error: unexpected arguments ['x']")
+
+
+def test_a_run_in_stages_reads_its_last_stage(tmp_path, capsys):
+  top = tmp_path / "run"
+  for stage in ("stage1", "stage2"):   # as experiment.run lays them out, each a run
+    (top / stage / "checkpoints" / "3").mkdir(parents=True)
+    (top / stage / "checkpoints" / "3" / "keep.txt").write_text("step 3")
+    (top / stage / "layout.json").write_text("{}")
+  assert checkpoint.resolve_checkpoint(str(top)) == (str(top / "stage2"), 3)
+  assert loading.model_path(str(top)) == str(top / "stage2")
+  assert capsys.readouterr().err == (f"{top}: a run in stages; reading its last stage, "
+                                     f"{top}/stage2\n")
+  assert loading.model_path(str(top / "stage1")) == str(top / "stage1")
+  assert not capsys.readouterr().err
+  with pytest.raises(FileNotFoundError, match=r"^runs/tiny/hff: no such directory\.$"):
+    checkpoint.resolve_checkpoint("runs/tiny/hff")
+
+
+@pytest.mark.parametrize("module,args,says", [
+    ("mars_jax.generate", ["--model", "runs/tiny/hff", "--prompt", "x"],
+     "error: runs/tiny/hff: no such directory."),
+    ("mars_jax.export", ["--checkpoint", "runs/tiny/hff", "--out", "unused"],
+     "error: runs/tiny/hff: no such directory."),
+    ("mars_jax.generate", ["--model", "runs/tiny/hff", "--prompt", "x", "--tau", "1.5"],
+     "error: --tau 1.5: the probability gate's threshold must be in [0, 1]"),
+    ("mars_jax.serve", ["--model", "runs/tiny/hff", "--tau", "1.5"],
+     "error: --tau 1.5: the probability gate's threshold must be in [0, 1]"),
+])
+def test_model_cli_mistakes_are_one_line(module, args, says):
+  assert_one_line_error(module, *args, says=says)
+
+
+def test_tau_is_checked_against_its_gate():
+  gates.check_tau([0.0, 0.9, 1.0], "margin")
+  gates.check_tau(1.6, "entropy")   # nats
+  with pytest.raises(ValueError, match=r"^--taus 1.5: the margin gate's threshold"):
+    gates.check_tau([0.9, 1.5], "margin", "--taus")
+  with pytest.raises(ValueError, match="entropy gate's threshold must be >= 0"):
+    gates.check_tau(-0.1, "entropy")

@@ -65,6 +65,16 @@ def metric_ids(metric: Metric | Sequence[Metric], n: int) -> np.ndarray:
   return np.asarray([METRICS.index(m) for m in names], np.int32)
 
 
+def check_tau(taus: float | Sequence[float], metric: Metric, name: str = "tau") -> None:
+  """Raises ValueError on a threshold outside the gate's range: probability and margin
+  in [0, 1] (1: exact AR), entropy >= 0 (nats)."""
+  values = np.atleast_1d(np.asarray(taus, np.float64))
+  high, what = (np.inf, ">= 0 (nats)") if metric == "entropy" else (1.0, "in [0, 1] (1: AR)")
+  bad = values[~((values >= 0) & (values <= high))]
+  if bad.size:
+    raise ValueError(f"{name} {bad[0]:g}: the {metric} gate's threshold must be {what}.")
+
+
 def greedy(logits: Array) -> Array:
   """argmax over the last axis (the first of equal maxima), as two plain reductions:
   XLA's CPU backend runs `jnp.argmax`'s (value, index) reduction several times slower.

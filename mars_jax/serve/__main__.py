@@ -40,10 +40,10 @@ import signal
 
 log = logging.getLogger("mars_jax.serve")
 
-from mars_jax import choices, hf
+from mars_jax import choices, cli, hf
 from mars_jax.training import checkpoint
 from mars_jax.choices import Metric, Mode
-from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.decoding import gates, mesh as decode_mesh
 from mars_jax.decoding.window_policy import WindowPolicy
 from mars_jax.loading import (load_drafter, load_model, trained_block_size, trained_window,
                               warn_untrained_windows)
@@ -200,6 +200,8 @@ def main(argv=None) -> None:
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
   if args.window != "auto" and not args.window.isdigit():
     p.error(f"--window={args.window!r}; expected 'auto' or an int >= 1.")
+  with cli.one_line_errors():
+    gates.check_tau(args.tau, args.gate, "--tau")
   if not os.path.exists(args.model):
     p.exit(2, f"{p.prog}: error: --model {args.model}: no such file or directory\n")
   if args.max_queued < 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -27,6 +28,7 @@ from mars_jax.models.qwen2 import Qwen2Config, Runtime, abstract_params, relayou
 from mars_jax.training.step import TrainState
 
 LAYOUT_FILE = "layout.json"
+_STAGE = re.compile(r"stage(\d+)")  # a stage's run directory under a run in stages
 # Facts that change what a checkpoint means; a resumed run must agree on them.
 _LAYOUT_KEYS = ("model", "objective")
 # Runtime fields a resumed run must keep: the stored tree and the precision it trains at.
@@ -185,9 +187,24 @@ class RunCheckpointer:
     self.manager.close()
 
 
+def last_stage(path: str) -> str:
+  """`path`, or for the top directory of a run in stages (`experiment.run` with stage 1:
+  WORKDIR/stage1, WORKDIR/stage2) its last stage's run directory, the highest
+  WORKDIR/stageN that holds a layout.json. FileNotFoundError when nothing is at `path`."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: no such directory.")
+  if not os.path.isdir(path) or os.path.isfile(os.path.join(path, LAYOUT_FILE)):
+    return path
+  stages = [(int(m.group(1)), m.group(0)) for m in map(_STAGE.fullmatch, os.listdir(path))
+            if m and os.path.isfile(os.path.join(path, m.group(0), LAYOUT_FILE))]
+  return os.path.join(path, max(stages)[1]) if stages else path
+
+
 def resolve_checkpoint(path: str) -> tuple[str, int]:
-  """RUN_DIR or RUN_DIR/<step> (or RUN_DIR/checkpoints/<step>) -> (run_dir, step)."""
-  path = os.path.abspath(path.rstrip("/"))
+  """RUN_DIR, RUN_DIR/<step> (or RUN_DIR/checkpoints/<step>), or the top directory of a
+  run in stages (its last stage, `last_stage`) -> (run_dir, step)."""
+  given = path.rstrip("/") or "/"
+  path = os.path.abspath(given)
   base = os.path.basename(path)
   if base.isdigit():
     parent = os.path.dirname(path)
@@ -196,6 +213,7 @@ def resolve_checkpoint(path: str) -> tuple[str, int]:
     if not os.path.isdir(os.path.join(run_dir, "checkpoints", base)):
       raise FileNotFoundError(f"{path}: no checkpoint step {step} in {run_dir}/checkpoints.")
     return run_dir, step
+  path = os.path.abspath(last_stage(given))
   read_layout(path)
   steps = ocp.utils.checkpoint_steps(os.path.join(path, "checkpoints")) if os.path.isdir(
       os.path.join(path, "checkpoints")) else []

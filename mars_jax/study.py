@@ -8,7 +8,8 @@ baseline (bidirectional intra-block attention, no AR loss, B = 4), and MARS at B
 through LoRA adapters (`LORA_VARIANTS`: ranks 8 and 32, and 32 with the mask row
 frozen; docs/results_lora.md). Each is then
 evaluated on held-out problems at every tau, window and gate of `study.eval`, and
-the tables, a Pareto plot and the wall-clock of every run go to `study.report`.
+the tables, a Pareto plot and the wall-clock of every run go to `study.report`
+(default WORKDIR/results.md; `--config.study.report=docs/results.md` for the tracked one).
 Finished runs are reused, so an interrupted study resumes.
 
 The held-out problems are the synthetic test split drawn with each run's recorded data
@@ -23,6 +24,7 @@ table is printed.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from absl import flags
@@ -41,9 +43,9 @@ def main(_) -> None:
   logging.getLogger("mars_jax").setLevel(logging.INFO)  # progress, via absl's handler to stderr
   cfg = _CONFIG.value
   results = run_study(cfg, _WORKDIR.value)
-  write_report(cfg, results, cfg.study.report, "python -m mars_jax.study " + " ".join(
-      sys.argv[1:]))
-  print(f"wrote {cfg.study.report}")
+  report = cfg.study.report or os.path.join(_WORKDIR.value, "results.md")
+  write_report(cfg, results, report, "python -m mars_jax.study " + " ".join(sys.argv[1:]))
+  print(f"wrote {report}")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,10 @@ def test_qwen3_configs_mirror_the_qwen2_5_ones(qwen3, qwen2_5, stage):
   assert q3.model.preset.startswith("qwen3-") and q25.model.preset.startswith("qwen2.5-")
   q3.model.init, q3.model.preset = q25.model.init, q25.model.preset
   assert q3.to_dict() == q25.to_dict()
+
+
+def test_the_study_report_goes_under_its_workdir_unless_asked():
+  """configs/study.py leaves study.report unset: `python -m mars_jax.study` then writes
+  WORKDIR/results.md, and the tracked docs/results.md only with
+  --config.study.report=docs/results.md."""
+  assert load(os.path.join(ROOT, "configs", "study.py")).study.report is None

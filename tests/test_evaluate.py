@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mars_jax import evaluate
+from mars_jax import evaluate as evaluate_cli
+from mars_jax.evaluation import evaluate
 from mars_jax.data import synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,18 +85,18 @@ def test_cli_passes_the_sampling_flags(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(evaluate, "score", score)
   base = ["--model", str(tmp_path), "--task", str(task), "--taus", "0.9", "--windows", "1,4",
           "--metrics", "probability"]
-  evaluate.main(base)
+  evaluate_cli.main(base)
   assert [(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"]) for kw in seen] == [
       (0.0, 0, 1.0, 0)] * 2
   seen.clear()
-  evaluate.main(base + ["--temperature", "0.7", "--top-k", "20", "--top-p", "0.9",
-                        "--sample-seed", "5", "--out", str(tmp_path / "out")])
+  evaluate_cli.main(base + ["--temperature", "0.7", "--top-k", "20", "--top-p", "0.9",
+                            "--sample-seed", "5", "--out", str(tmp_path / "out")])
   want = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5}
   assert [{k: kw[k] for k in want} for kw in seen] == [want] * 2
   with open(tmp_path / "out" / "results.json") as f:
     assert json.load(f)["sampling"] == want
   with pytest.raises(SystemExit) as e:
-    evaluate.main(base + ["--top-p", "0"])
+    evaluate_cli.main(base + ["--top-p", "0"])
   assert e.value.code == 2 and "top_p=[0.0]; it must be in (0, 1]" in capsys.readouterr().err
 
 

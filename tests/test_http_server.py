@@ -294,7 +294,7 @@ def test_lm_eval_chat_completions_scores_as_the_in_process_backend(live, tmp_pat
   import lm_eval
   from lm_eval.tasks import TaskManager
 
-  from mars_jax import lm_eval as mle
+  from mars_jax.evaluation import lm_eval as mle
   mle.write_tasks(str(tmp_path / "tasks"), fx.task_records(5, seed=0, split="test"),
                   max_gen_toks=12)
 

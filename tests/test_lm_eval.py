@@ -25,7 +25,8 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from mars_jax import lm_eval as mle
+from mars_jax import lm_eval as lm_eval_cli
+from mars_jax.evaluation import lm_eval as mle
 from mars_jax.loading import chat_prompt_ids
 
 GEN, MC = "synthetic_arith", "synthetic_arith_mc"
@@ -252,10 +253,10 @@ def test_cli_prints_and_saves_tokens_per_forward(env, capsys, monkeypatch):
   monkeypatch.setattr(lm_eval.tasks, "TaskManager",
                       functools.partial(TaskManager, include_defaults=False))
   out = env["tmp"] / "out"
-  mle.main(["--model", "mars_jax", "--model_args",
-            f"pretrained={env['hf']},window=4,tau=0.9,metric=probability,mode=gated,"
-            "batch_size=2", "--include_path", env["tasks"], "--tasks", GEN,
-            "--apply_chat_template", "--limit", "2", "--output_path", str(out)])
+  lm_eval_cli.main(["--model", "mars_jax", "--model_args",
+                    f"pretrained={env['hf']},window=4,tau=0.9,metric=probability,mode=gated,"
+                    "batch_size=2", "--include_path", env["tasks"], "--tasks", GEN,
+                    "--apply_chat_template", "--limit", "2", "--output_path", str(out)])
   assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
   printed = capsys.readouterr().out
   row = next(line for line in printed.splitlines() if "tokens_per_forward" in line)
@@ -279,13 +280,14 @@ def test_sampling_kwargs_of_normalized_requests():
 
 
 def test_shipped_example_tasks_load_offline(monkeypatch):
-  """mars_jax/lm_eval_tasks: both YAMLs load their JSONL (paths relative to the repo
+  """mars_jax/evaluation/lm_eval_tasks: both YAMLs load their JSONL (paths relative to the repo
   root), targets are the `#### N` numbers, and the right choice is the answer."""
   from mars_jax.data import synthetic
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   monkeypatch.chdir(root)
-  manager = TaskManager(include_path=os.path.join(root, "mars_jax", "lm_eval_tasks"),
-                        include_defaults=False)
+  manager = TaskManager(
+      include_path=os.path.join(root, "mars_jax", "evaluation", "lm_eval_tasks"),
+      include_defaults=False)
   tasks = manager.load([GEN, MC])["tasks"]
   gen, mc = list(tasks[GEN].test_docs()), list(tasks[MC].test_docs())
   assert len(gen) == len(mc) == 100

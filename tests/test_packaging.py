@@ -61,7 +61,7 @@ def test_installed_copy_imports_from_another_directory(installed, tmp_path):
   code = """
 import importlib.resources, json, sys
 import mars_jax, mars_jax.data, mars_jax.hf, mars_jax.training.config
-tasks = importlib.resources.files("mars_jax") / "lm_eval_tasks"
+tasks = importlib.resources.files("mars_jax.evaluation") / "lm_eval_tasks"
 print(json.dumps({
     "mars_jax": mars_jax.__file__,
     "submodules": [m.__file__ for m in (mars_jax.data, mars_jax.hf, mars_jax.training.config)],
@@ -78,11 +78,11 @@ print(json.dumps({
     assert os.path.realpath(path).startswith(target), (path, installed)
 
   # Every module of the source package is in the installed copy, and the
-  # lm_eval_tasks data files (YAML and JSONL) are there byte for byte.
+  # evaluation/lm_eval_tasks data files (YAML and JSONL) are there byte for byte.
   installed_pkg = os.path.join(installed, "mars_jax")
   src_files, got_files = _files(PACKAGE), _files(installed_pkg)
   assert src_files == got_files
-  data = {p for p in src_files if p.startswith("lm_eval_tasks" + os.sep)}
+  data = {p for p in src_files if p.startswith(os.path.join("evaluation", "lm_eval_tasks", ""))}
   assert {os.path.splitext(p)[1] for p in data} == {".yaml", ".jsonl"}
   for rel in data:
     with open(os.path.join(PACKAGE, rel), "rb") as a, \

@@ -9,7 +9,8 @@ import shlex
 
 import pytest
 
-from mars_jax import evaluate
+from mars_jax import evaluate as evaluate_cli
+from mars_jax.evaluation import evaluate
 from mars_jax.data import synthetic, task_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,8 +93,8 @@ def test_flags_override_the_record(tmp_path, monkeypatch, capsys):
   assert origins["difficulty"] == "flag --difficulty"
   assert origins["seed"] == str(tmp_path / "task.json")
   cap = _Captured(monkeypatch)
-  evaluate.main(["--model", str(tmp_path), "--difficulty", "standard", "--seed", "4",
-                 "--num-problems", "5"])
+  evaluate_cli.main(["--model", str(tmp_path), "--difficulty", "standard", "--seed", "4",
+                     "--num-problems", "5"])
   assert cap.problems == _test_split(5, difficulty="standard", seed=4)
   out = capsys.readouterr().out
   assert "seed=4  (from flag --seed)" in out   # one line per origin
@@ -102,14 +103,14 @@ def test_flags_override_the_record(tmp_path, monkeypatch, capsys):
   assert "5 problems (from flag --num-problems)" in out
   assert "--seed 4 differs from the run's 3: this test split may hold problems" in out
   with pytest.raises(SystemExit):
-    evaluate.main(["--model", str(tmp_path), "--task", str(tmp_path / "x.jsonl"),
-                   "--difficulty", "easy"])
+    evaluate_cli.main(["--model", str(tmp_path), "--task", str(tmp_path / "x.jsonl"),
+                       "--difficulty", "easy"])
   assert "apply to --task synthetic only" in capsys.readouterr().err
 
 
 def test_no_record_uses_the_generator_defaults_with_a_notice(tmp_path, monkeypatch, capsys):
   cap = _Captured(monkeypatch)
-  evaluate.main(["--model", str(tmp_path), "--num-problems", "3"])
+  evaluate_cli.main(["--model", str(tmp_path), "--num-problems", "3"])
   assert cap.problems == synthetic.generate(3, split="test")
   out = capsys.readouterr().out
   assert "notice:" in out and "has no task.json" in out
@@ -127,7 +128,7 @@ def test_readme_evaluate_command_uses_the_default_runs_settings(tmp_path, monkey
   synthetic.save_task_settings(str(hf_dir), task_settings(_config("tiny").data))
   monkeypatch.chdir(tmp_path)
   cap = _Captured(monkeypatch)
-  evaluate.main(argv)
+  evaluate_cli.main(argv)
   tiny = _config("tiny").data.synthetic
   assert cap.problems == synthetic.generate(tiny.num_test, seed=tiny.seed, split="test",
                                             test_fraction=tiny.test_fraction,
@@ -175,9 +176,9 @@ def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, ca
   assert synthetic.load_task_settings(out) == expected
   # the evaluate CLI finds the export's record: the run's own held-out problems
   scored.clear()
-  evaluate.main(["--model", os.path.join(workdir, "hf"), "--taus", "1.0", "--windows", "1",
-                 "--metrics", "probability", "--max-new-tokens", "4", "--num-problems", "2",
-                 "--out", str(tmp_path / "eval")])
+  evaluate_cli.main(["--model", os.path.join(workdir, "hf"), "--taus", "1.0", "--windows", "1",
+                     "--metrics", "probability", "--max-new-tokens", "4", "--num-problems", "2",
+                     "--out", str(tmp_path / "eval")])
   assert scored == [_test_split(2)]
   res = json.load(open(tmp_path / "eval" / "results.json"))
   assert res["synthetic"]["settings"] == {"seed": 3, "test_fraction": 0.2,

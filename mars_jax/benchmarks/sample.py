@@ -51,7 +51,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import choices, evaluate, hf, loading, sampling
+from mars_jax import choices, hf, loading, sampling
+from mars_jax.evaluation import evaluate
 from mars_jax.benchmarks import acceptance, roofline, toy
 from mars_jax.decoding import gates
 from mars_jax.choices import Mode

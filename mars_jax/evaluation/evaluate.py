@@ -1,26 +1,13 @@
-"""`python -m mars_jax.evaluate`: exact-match accuracy and tokens per forward.
+"""Exact-match accuracy and tokens per forward of a model on GSM8K-format problems: the
+problems (the synthetic test split drawn with a run's recorded settings, or a JSONL),
+scoring one (gate, window, tau) setting, sweeps, the table and the Pareto plot, and the
+evaluate command behind `python -m mars_jax.evaluate` (the CLI, mars_jax/evaluate.py).
 
-Greedy decoding through `mars_jax.sampling` on GSM8K-format problems (the
-synthetic test split, or a local JSONL of {"question", "answer"} with `#### N`),
-for every (gate, window, tau) asked; prints a table and writes JSON and a Pareto
-plot (accuracy vs tokens per forward). --temperature > 0 (with --top-k, --top-p,
---sample-seed) samples instead: problem i gets the seed sample_seed + i at every
-setting, so a run is reproducible.
-
-  python -m mars_jax.evaluate --model RUN_DIR_OR_HF_DIR --task synthetic \
-      --taus 1.0,0.95,0.9 --windows 1,4,5 --metrics probability,margin --out eval/
-
-The synthetic task is drawn with the model's own data settings: the `task.json` that
-training writes into its run directory and into the HF export (difficulty, split
-seed, test fraction, and num_test as the default --num-problems), so a model is
-scored on held-out problems of the distribution it trained on. --difficulty, --seed
-and --test-fraction override single settings; with no record the generator defaults
-are used, with a notice. The settings used and their origin are printed.
+Not lm-evaluation-harness tasks: those are mars_jax.evaluation.lm_eval.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Any, Sequence
@@ -31,7 +18,7 @@ from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.generate import add_sampling_flags, budgets, check_sampling_flags, prompt_seeds
+from mars_jax.generate import budgets, check_sampling_flags, prompt_seeds
 from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
                               warn_untrained_windows)
 
@@ -218,54 +205,9 @@ def _floats(s: str) -> list[float]:
   return [float(x) for x in s.split(",") if x]
 
 
-def _positive_int(s: str) -> int:
-  try:
-    n = int(s)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"{n}: must be >= 1 (omit the flag for the default)")
-  return n
-
-
-def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m mars_jax.evaluate", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", required=True, help="HF directory, RUN_DIR or RUN_DIR/STEP")
-  p.add_argument("--task", default="synthetic", help="'synthetic' or a GSM8K-format JSONL")
-  p.add_argument("--num-problems", type=_positive_int, default=None,
-                 help="default: synthetic, the run's recorded data.synthetic.num_test "
-                 "(else 500); a JSONL, 500")
-  p.add_argument("--difficulty", choices=synthetic.DIFFICULTIES, default=None,
-                 help="synthetic: override the run's recorded difficulty")
-  p.add_argument("--seed", type=int, default=None,
-                 help="synthetic: override the run's recorded split seed")
-  p.add_argument("--test-fraction", type=float, default=None,
-                 help="synthetic: override the run's recorded test fraction")
-  p.add_argument("--taus", default="1.0,0.95,0.9,0.8,0.7")
-  p.add_argument("--windows", default="1,4,5", help="proposals per forward (1 = AR)")
-  p.add_argument("--metrics", default="probability,margin",
-                 help="gates: probability, margin, entropy")
-  p.add_argument("--batch-size", type=int, default=64)
-  p.add_argument("--max-new-tokens", type=int, default=None,
-                 help="tokens to generate per problem (default: as many as fit the context; "
-                      "decoding ends at EOS)")
-  add_sampling_flags(p, "--sample-seed", "sampling seed: problem i gets sample_seed + i, at "
-                     "every setting (--seed is the synthetic split's)")
-  p.add_argument("--out", default=None, help="directory for results.json and pareto.png")
-  p.add_argument("--mesh", default=None,
-                 help="decode on a mesh of the devices: AXIS=SIZE pairs over data, fsdp, "
-                      "tensor (e.g. tensor=8 or data=2,tensor=4; see docs/serving.md); "
-                      "default: one device")
-  args = p.parse_args(argv)
-  try:
-    run(args)
-  except (ValueError, FileNotFoundError) as e:  # bad input: the message, no traceback
-    p.exit(2, f"{p.prog}: error: {e}\n")
-
-
 def run(args) -> None:
-  """The command on parsed arguments (see `main`)."""
+  """The evaluate command on parsed arguments (`python -m mars_jax.evaluate`'s `main`
+  parses them)."""
   check_sampling_flags(args.temperature, args.top_k, args.top_p, args.sample_seed)
   flags = {"seed": args.seed, "test_fraction": args.test_fraction,
            "difficulty": args.difficulty}
@@ -310,7 +252,3 @@ def run(args) -> None:
       series.setdefault(f"{r['metric']} W={r['window']}", []).append(r)
     pareto_plot(series, os.path.join(args.out, "pareto.png"), title=args.model)
     print(f"wrote {args.out}/results.json and pareto.png")
-
-
-if __name__ == "__main__":
-  main()

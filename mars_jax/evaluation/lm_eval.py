@@ -1,15 +1,12 @@
-"""lm-evaluation-harness backend: `--model mars_jax`, with tau and window, offline.
+"""lm-evaluation-harness backend: the model class `MarsJaxLM`, registered as `mars_jax`
+when this module is imported, with tau and window; tokens per forward in the harness's
+results; local tasks from the synthetic test split (`write_tasks`).
 
-  python -m mars_jax.lm_eval --model mars_jax \
-      --model_args pretrained=DIR,window=4,tau=0.9,metric=probability,mode=gated \
-      --batch_size 16 --tasks gsm8k --apply_chat_template --output_path out/
-
-is lm-eval's own CLI (every flag of `lm_eval run`) with this module imported, which
-registers the model class `MarsJaxLM` as `mars_jax` (lm-eval 0.4.13 finds no model
-outside its own package: a process must import this module; from Python,
-`import mars_jax.lm_eval` then `lm_eval.simple_evaluate(model="mars_jax", ...)`).
-The wrapper also sets HF_HUB_OFFLINE, HF_DATASETS_OFFLINE and HF_EVALUATE_OFFLINE
-to 1 unless they are set, so nothing is looked up on the Hub (docs/lm_eval.md).
+lm-eval 0.4.13 finds no model outside its own package: a process must import this
+module (from Python, `import mars_jax.evaluation.lm_eval` then
+`lm_eval.simple_evaluate(model="mars_jax", ...)`). The CLI is mars_jax/lm_eval.py
+(`python -m mars_jax.lm_eval`, docs/lm_eval.md). Not the evaluate CLI's exact-match
+sweeps: those are mars_jax.evaluation.evaluate.
 
 Requests:
   generate_until          `mars_jax.sampling.generate` (AR, MARS at tau, or lossless),
@@ -41,48 +38,36 @@ results as the metric `tokens_per_forward` (in the printed table and the results
 JSON; groups get the token-weighted value of their tasks). `MarsJaxLM.get_model_info`
 puts the raw counts under results["config"]["mars_jax"] for Python callers as well,
 and `add_tokens_per_forward(results)` copies them into the tasks' metrics.
-
-`python -m mars_jax.lm_eval synthetic-tasks --out DIR --model MODEL` writes local
-tasks (JSONL data + task YAML) from the synthetic test split the model was trained
-next to: `synthetic_arith` (generate_until, exact match on the `#### N` number) and
-`synthetic_arith_mc` (multiple choice among the answer and three wrong final numbers).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import os
+from typing import Any, Sequence
 
-if __name__ == "__main__":  # before anything imports huggingface_hub or datasets
-  for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_EVALUATE_OFFLINE"):
-    os.environ.setdefault(_var, "1")
+import jax
+import jax.numpy as jnp
+import lm_eval.models  # noqa: F401  (the harness's own models first: see `_register`)
+import numpy as np
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry, register_model
+from lm_eval.models.utils import normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm.auto import tqdm
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import lm_eval.models  # noqa: E402,F401  (the harness's own models first: see `_register`)
-import numpy as np  # noqa: E402
-from lm_eval.api.model import TemplateLM  # noqa: E402
-from lm_eval.api.registry import model_registry, register_model  # noqa: E402
-from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from mars_jax import sampling  # noqa: E402
-from mars_jax.training import masks, objective  # noqa: E402
-from mars_jax.decoding import gates  # noqa: E402
-from mars_jax.choices import Metric, Mode  # noqa: E402
-from mars_jax.decoding import batching  # noqa: E402
-from mars_jax.decoding import mesh as decode_mesh  # noqa: E402
-from mars_jax.generate import check_seed, prompt_seeds  # noqa: E402
-from mars_jax.loading import load_drafter, load_model, warn_untrained_windows  # noqa: E402
-from mars_jax.models import qwen2  # noqa: E402
-from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime  # noqa: E402
+from mars_jax import sampling
+from mars_jax.training import masks, objective
+from mars_jax.decoding import gates
+from mars_jax.choices import Metric, Mode
+from mars_jax.decoding import batching
+from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.generate import check_seed, prompt_seeds
+from mars_jax.loading import load_drafter, load_model, warn_untrained_windows
+from mars_jax.models import qwen2
+from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -384,8 +369,8 @@ class MarsJaxLM(TemplateLM):
 
 
 def _register() -> None:
-  """Registers `MarsJaxLM` as `mars_jax` once (a second import of this module, e.g. as
-  __main__ and as mars_jax.lm_eval, keeps the first). lm_eval.models is imported first:
+  """Registers `MarsJaxLM` as `mars_jax` once (importing mars_jax.lm_eval, the CLI, runs
+  this module once too; a reload keeps the first class). lm_eval.models is imported first:
   lm-eval only fills its registry with its own models while the registry is empty."""
   if MODEL_NAME not in model_registry:
     register_model(MODEL_NAME)(MarsJaxLM)
@@ -530,60 +515,3 @@ def write_tasks(out_dir: str, problems: Sequence[dict], *, name: str = "syntheti
     with open(paths[task], "w") as f:
       yaml.safe_dump(cfg, f, sort_keys=False, allow_unicode=True)
   return paths
-
-
-def synthetic_tasks_main(argv: Sequence[str]) -> None:
-  """`python -m mars_jax.lm_eval synthetic-tasks ...`."""
-  from mars_jax import evaluate  # pylint: disable=import-outside-toplevel
-  from mars_jax.data import synthetic  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(
-      prog="python -m mars_jax.lm_eval synthetic-tasks",
-      description="Local lm-eval tasks (JSONL + YAML) from the synthetic test split, drawn "
-      "with the model's recorded data settings (task.json) as `mars_jax.evaluate` does.")
-  p.add_argument("--out", required=True, help="directory for the JSONL and YAML files")
-  p.add_argument("--model", default=None, help="HF directory or run whose task.json to use")
-  p.add_argument("--num", type=int, default=None, help="problems (default: the record's "
-                 "num_test, else 500)")
-  p.add_argument("--name", default="synthetic_arith", help="task name (and NAME_mc)")
-  p.add_argument("--max-gen-toks", type=int, default=64)
-  p.add_argument("--difficulty", choices=synthetic.DIFFICULTIES, default=None)
-  p.add_argument("--seed", type=int, default=None)
-  p.add_argument("--test-fraction", type=float, default=None)
-  args = p.parse_args(list(argv))
-  settings, origins, notices = evaluate.synthetic_settings(
-      args.model, seed=args.seed, test_fraction=args.test_fraction,
-      difficulty=args.difficulty)
-  for line in notices:
-    print(line)
-  num = args.num or settings["num_test"] or 500
-  problems = evaluate.load_problems("synthetic", num, **{
-      k: settings[k] for k in synthetic.SPLIT_DEFAULTS})
-  paths = write_tasks(args.out, problems, name=args.name, max_gen_toks=args.max_gen_toks)
-  print(f"synthetic test split, {num} problems:\n"
-        + evaluate.describe_settings(settings, origins))
-  print("wrote " + ", ".join(paths.values()))
-  print(f"run: python -m mars_jax.lm_eval --model {MODEL_NAME} --model_args "
-        f"pretrained={args.model or 'MODEL'},window=4,tau=0.9 --include_path "
-        f"{os.path.abspath(args.out)} --tasks {','.join(paths)} --apply_chat_template")
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  """lm-eval's CLI with the mars_jax model registered and tokens per forward reported;
-  `synthetic-tasks` writes local tasks (see the module docstring)."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  if argv[:1] == ["synthetic-tasks"]:
-    synthetic_tasks_main(argv[1:])
-    return
-  for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_EVALUATE_OFFLINE"):
-    os.environ.setdefault(var, "1")
-  from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
-  saved = sys.argv
-  sys.argv = ["lm_eval", *argv]
-  try:
-    cli_evaluate()
-  finally:
-    sys.argv = saved
-
-
-if __name__ == "__main__":
-  main()

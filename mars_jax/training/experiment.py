@@ -21,7 +21,8 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from mars_jax import evaluate, hf
+from mars_jax import hf
+from mars_jax.evaluation import evaluate
 from mars_jax.training import checkpoint, config as train_config, lora, loop as trainer
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.tokenizer import BUILDERS

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 
-from mars_jax import evaluate
+from mars_jax.evaluation import evaluate
 from mars_jax.training import checkpoint, experiment, lora
 from mars_jax.data import synthetic, task_settings
 from mars_jax.loading import load_model

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 
+from mars_jax import cli
 from mars_jax.data import synthetic
 from mars_jax.evaluation.evaluate import (describe_settings, format_table, load_problems,
                                           pareto_plot, run, score, sweep, synthetic_settings,
@@ -46,7 +47,8 @@ def _positive_int(s: str) -> int:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.evaluate", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", required=True, help="HF directory, RUN_DIR or RUN_DIR/STEP")
+  p.add_argument("--model", required=True,
+                 help="HF directory, RUN_DIR, RUN_DIR/STEP, or the top of a run in stages")
   p.add_argument("--task", default="synthetic", help="'synthetic' or a GSM8K-format JSONL")
   p.add_argument("--num-problems", type=_positive_int, default=None,
                  help="default: synthetic, the run's recorded data.synthetic.num_test "
@@ -73,10 +75,8 @@ def main(argv=None) -> None:
                       "tensor (e.g. tensor=8 or data=2,tensor=4; see docs/serving.md); "
                       "default: one device")
   args = p.parse_args(argv)
-  try:
+  with cli.one_line_errors():  # bad input: one line, status 2
     run(args)
-  except (ValueError, FileNotFoundError) as e:  # bad input: the message, no traceback
-    p.exit(2, f"{p.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -215,6 +215,10 @@ def test_a_run_in_stages_reads_its_last_stage(tmp_path, capsys):
      "error: --tau 1.5: the probability gate's threshold must be in [0, 1]"),
     ("mars_jax.serve", ["--model", "runs/tiny/hff", "--tau", "1.5"],
      "error: --tau 1.5: the probability gate's threshold must be in [0, 1]"),
+    ("mars_jax.evaluate", ["--model", "runs/tiny/hff"],
+     "error: runs/tiny/hff: no such directory."),
+    ("mars_jax.evaluate", ["--model", "runs/tiny/hff", "--taus", "1.0,1.5"],
+     "error: --taus 1.5: the probability gate's threshold must be in [0, 1]"),
 ])
 def test_model_cli_mistakes_are_one_line(module, args, says):
   assert_one_line_error(module, *args, says=says)

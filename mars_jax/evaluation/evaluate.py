@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 from mars_jax import sampling
 from mars_jax.choices import Metric
 from mars_jax.data import synthetic
-from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.decoding import gates, mesh as decode_mesh
 from mars_jax.generate import budgets, check_sampling_flags, prompt_seeds
-from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model,
+from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model, model_path,
                               warn_untrained_windows)
 
 
@@ -209,6 +209,9 @@ def run(args) -> None:
   """The evaluate command on parsed arguments (`python -m mars_jax.evaluate`'s `main`
   parses them)."""
   check_sampling_flags(args.temperature, args.top_k, args.top_p, args.sample_seed)
+  for metric in args.metrics.split(","):
+    gates.check_tau(_floats(args.taus), metric, "--taus")
+  args.model = model_path(args.model)
   flags = {"seed": args.seed, "test_fraction": args.test_fraction,
            "difficulty": args.difficulty}
   task_info = None

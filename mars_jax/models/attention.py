@@ -85,7 +85,7 @@ def uncached_attention(q: Array, k: Array, v: Array, mask: Array, impl: str,
 def span_attention(q: Array, k: Array, v: Array, mask: Array, spans: Spans) -> Array:
   """`attention` ("xla") computed span by span: the queries [q0, q1) of each span score
   only the keys of its static key ranges, which must hold every key `mask` lets them
-  see (`mars_jax.masks.causal_spans`, `two_stream_spans`). Equal to `attention` on every
+  see (`mars_jax.training.masks.causal_spans`, `two_stream_spans`). Equal to `attention` on every
   query that may see some key; the FLOPs and the score tensors shrink to the ranges
   (about half of them for a causal pass).
 

@@ -7,7 +7,7 @@ Two frozen (hashable) dataclasses, both usable as static arguments of `jax.jit`:
                (`model_type` "qwen2" or "qwen3"; see `Family` and docs/models.md);
   Runtime      how the same weights are stored and computed (parameter dtype,
                compute dtype, attention implementation, remat, scanned layers), and
-               the low-rank adapters trained over them (`LoraSpec`, mars_jax/lora.py).
+               the low-rank adapters trained over them (`LoraSpec`, mars_jax/training/lora.py).
 
 A checkpoint means the same under any `Runtime` without adapters; functions that
 compute take the runtime as an explicit `runtime=` keyword whose default is float32
@@ -241,7 +241,7 @@ LORA_PROJECTIONS = ("attn/q_kernel", "attn/k_kernel", "attn/v_kernel", "attn/o_k
 
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
-  """Low-rank adapters over frozen weights (mars_jax/lora.py, docs/design.md).
+  """Low-rank adapters over frozen weights (mars_jax/training/lora.py, docs/design.md).
 
   Each targeted projection W: [*in, *out] computes x W + (alpha / rank) (drop(x) A) B
   with A: [*in, rank], B: [rank, *out] (B starts at zero, so training starts from the

@@ -32,6 +32,9 @@ import user_path_fixtures as fx
 
 from mars_jax.benchmarks.serve_load import free_port
 
+# The server in its own processes, driven by real clients: `-m e2e`.
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-qwen"
 PROMPTS = ["Tell me a story.", "What is 2+3?", "List three colours:", "Bonjour, ça va ?"]

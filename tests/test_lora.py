@@ -253,6 +253,7 @@ def lora_run(tmp_path_factory):
   return p
 
 
+@pytest.mark.e2e
 def test_the_run_trains_adapters_and_exports_both_ways(lora_run):
   import peft
   import torch
@@ -281,6 +282,7 @@ def test_the_run_trains_adapters_and_exports_both_ways(lora_run):
   np.testing.assert_allclose(_torch_logits(adapted, ids), ours, atol=1e-4, rtol=0)
 
 
+@pytest.mark.e2e
 def test_generate_and_evaluate_load_the_run_as_its_merged_export(lora_run):
   p = lora_run
   args = ["--prompt", "What is 3 + 4?", "--max-new-tokens", "12", "--tau", "0.9",
@@ -296,6 +298,7 @@ def test_generate_and_evaluate_load_the_run_as_its_merged_export(lora_run):
   assert "accuracy" in out
 
 
+@pytest.mark.e2e
 def test_serve_answers_from_the_run_as_generate_does_from_the_export(lora_run):
   from test_http_server import NAME, Live
   p = lora_run
@@ -315,6 +318,7 @@ def test_serve_answers_from_the_run_as_generate_does_from_the_export(lora_run):
   assert r.choices[0].message.content == "\n".join(lines[1:summary])
 
 
+@pytest.mark.e2e
 def test_adapter_export_of_a_full_run_is_refused(tmp_path):
   run = str(tmp_path / "full")
   train(run, "--config.train.steps=1")
@@ -333,6 +337,7 @@ def _unmerged(run_dir):
   return jax.tree.map(np.asarray, params)
 
 
+@pytest.mark.e2e
 def test_kill_9_then_resume_is_bitwise(tmp_path):
   straight = str(tmp_path / "straight")
   train(straight, *LORA, "--config.train.steps=6", "--config.train.checkpoint_every=3")
@@ -345,6 +350,7 @@ def test_kill_9_then_resume_is_bitwise(tmp_path):
   assert_bitwise(params_of(d), params_of(straight))
 
 
+@pytest.mark.e2e
 def test_two_processes_equal_one(tmp_path):
   steps = ["--config.train.steps=4", "--config.train.checkpoint_every=2"]
   two = str(tmp_path / "two")

@@ -12,6 +12,9 @@ import pytest
 
 from test_train import ROOT, SMALL, assert_bitwise, losses, params_of, train
 
+# Several training processes on localhost: `-m e2e`.
+pytestmark = pytest.mark.e2e
+
 # Random block offsets on (the trainer's default): each row's is drawn from its own tokens,
 # so 2 processes, which place the examples otherwise than 1 does, draw the same ones.
 STEPS = ["--config.train.steps=4", "--config.train.checkpoint_every=2"]

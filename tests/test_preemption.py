@@ -47,6 +47,7 @@ def assert_saved_at(run_dir, nproc):
   return step
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_then_resumes_exactly(tmp_path):
   straight = str(tmp_path / "straight")
   reference = train(straight, *STEPS, background=True)   # uninterrupted, meanwhile

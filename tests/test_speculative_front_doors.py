@@ -15,6 +15,9 @@ from mars_jax import generate, sampling
 from mars_jax.serve import __main__ as serve_cli
 from mars_jax.loading import chat_prompt_ids, load_model
 
+# The CLIs and the HTTP server with a drafter, as users run them: `-m e2e`.
+pytestmark = pytest.mark.e2e
+
 PROMPTS = ["Tell me a story.", "What is 2+3?"]
 
 

@@ -21,6 +21,9 @@ import pytest
 import qwen_tokenizers as qt
 import user_path_fixtures as fx
 
+# A user's whole path through the CLIs (train, export, generate, evaluate): `-m e2e`.
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Size and length only: every other field (bfloat16 compute over float32 weights, B=4,
@@ -198,6 +201,7 @@ def test_export_tokenizer_loads_in_transformers_4(user):
   chat = [{"role": "user", "content": user["question"]}]
   code = """
 import json, sys, transformers
+
 tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
 texts, chat = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 print(json.dumps({"version": transformers.__version__,

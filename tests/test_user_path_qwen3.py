@@ -18,6 +18,9 @@ import qwen_tokenizers as qt
 import user_path_fixtures as fx
 from test_user_path import SIZE, cli
 
+# A user's whole path through the CLIs on Qwen3: `-m e2e`.
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def qwen3_user(tmp_path_factory):

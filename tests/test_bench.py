@@ -24,6 +24,7 @@ def test_bench_sample_on_the_toy(tmp_path, capsys):
   assert "roof tok/s" in capsys.readouterr().out
 
 
+@pytest.mark.e2e  # a benchmark run as the README gives it
 def test_bench_decode_on_the_toy(capsys):
   decode_cost.main(["--model", "toy", "--batch-sizes", "2", "--windows", "1,3",
                     "--cache-len", "64", "--steps", "4",
@@ -35,6 +36,7 @@ def test_bench_decode_on_the_toy(capsys):
     assert float(row[-1]) == pytest.approx(float(row[-2]) / float(row[3]), rel=0.01)
 
 
+@pytest.mark.e2e  # a benchmark run as the README gives it
 def test_bench_step_tiny_shape_unrolled(capsys):
   step.main(["--scenarios", "prompt-heavy", "--hidden", "32", "--layers", "2", "--heads", "2",
              "--kv-heads", "1", "--intermediate", "64", "--vocab", "128", "--batch", "2",
@@ -81,6 +83,7 @@ def test_bench_serve_smoke(tmp_path):
   assert figures <= set(local) and local["output_tokens_per_s"] > 0
 
 
+@pytest.mark.e2e  # a benchmark run as the README gives it
 def test_bench_speculative_on_two_checkpoints(tmp_path, capsys):
   """Every row of `bench speculative` (here AR models in all four roles: two random
   checkpoints over one BPE tokenizer) decodes its target's greedy AR tokens."""
@@ -99,6 +102,7 @@ def test_bench_speculative_on_two_checkpoints(tmp_path, capsys):
   assert "| AR drafter + MARS target |" in capsys.readouterr().out
 
 
+@pytest.mark.e2e  # a benchmark run as the README gives it
 def test_bench_data_small(tmp_path, capsys):
   """`bench data` on 300 chats, ours with one build process (the peer, datasets' .map,
   adds ~30 s: `--skip-peer`): every chat kept, as many tokens as the model's tokenizer

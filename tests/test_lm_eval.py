@@ -80,6 +80,7 @@ def _torch_loglikelihood(model, ctx, cont):
   return float(logp[pos, target].sum()), bool((logp[pos].argmax(-1) == target).all())
 
 
+@pytest.mark.e2e  # generation through the harness
 def test_lossless_responses_equal_ar_through_the_harness(env):
   ar = _evaluate(env, [GEN], window=1)
   lossless = _evaluate(env, [GEN], window=4, mode="lossless")
@@ -116,6 +117,7 @@ def _before(tokens, ids):
   return next((tokens[:k] for k, t in enumerate(tokens) if t in ids), tokens)
 
 
+@pytest.mark.e2e  # generation through the harness
 def test_a_drafter_gives_the_targets_responses_through_the_harness(env):
   """model_args drafter= (another random model over the same tokenizer) and
   draft_window=3: the AR responses, with the drafter's forwards counted."""
@@ -132,6 +134,7 @@ def test_a_drafter_gives_the_targets_responses_through_the_harness(env):
   assert two["config"]["mars_jax"]["drafter"] == drafter
 
 
+@pytest.mark.e2e  # generation through the harness
 def test_until_eos_and_max_gen_toks(env, lm):
   """The task's prompts, so the sampler runs at the AR harness run's shapes (compiled)."""
   ctxs = _contexts(lm, env)
@@ -246,6 +249,7 @@ def test_loglikelihood_padding_pad_ids_and_rolling_equal_transformers(lm, torch_
     lm._max_length = saved
 
 
+@pytest.mark.e2e  # generation through the harness
 def test_cli_prints_and_saves_tokens_per_forward(env, capsys, monkeypatch):
   for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_EVALUATE_OFFLINE"):
     monkeypatch.delenv(var, raising=False)

@@ -12,8 +12,6 @@ import pytest
 
 from test_train import ROOT, SMALL, assert_bitwise, losses, params_of, train
 
-# Several training processes on localhost: `-m e2e`.
-pytestmark = pytest.mark.e2e
 
 # Random block offsets on (the trainer's default): each row's is drawn from its own tokens,
 # so 2 processes, which place the examples otherwise than 1 does, draw the same ones.
@@ -48,6 +46,7 @@ def two_proc(tmp_path_factory):
   return d
 
 
+@pytest.mark.e2e  # several training processes on localhost
 def test_two_processes_equal_one(two_proc, tmp_path):
   one = str(tmp_path / "one")
   train(one, *STEPS)
@@ -59,7 +58,7 @@ def test_two_processes_equal_one(two_proc, tmp_path):
                params_of(two_proc), params_of(one))
 
 
-@pytest.mark.slow  # ~50 s; single-process resume and kill -9 stay in the default suite
+@pytest.mark.slow  # ~50 s; single-process resume and kill -9 run with -m e2e
 def test_two_process_resume_is_exact(two_proc, tmp_path):
   d = str(tmp_path / "resumed")
   train_2proc(d, *STEPS, "--config.train.stop_at_step=2")
@@ -72,6 +71,7 @@ def test_two_process_resume_is_exact(two_proc, tmp_path):
   assert_bitwise(params_of(d), params_of(two_proc))
 
 
+@pytest.mark.e2e  # several training processes on localhost
 def test_export_of_two_process_checkpoint(two_proc, tmp_path):
   import torch
   import transformers
@@ -97,6 +97,7 @@ def test_export_of_two_process_checkpoint(two_proc, tmp_path):
   np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.e2e  # several training processes on localhost
 def test_processes_with_different_configs_fail_clearly(tmp_path):
   port = free_port()
   procs = []
@@ -114,6 +115,7 @@ def test_processes_with_different_configs_fail_clearly(tmp_path):
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
 
 
+@pytest.mark.e2e  # several training processes on localhost
 def test_resume_with_another_process_count_is_refused(two_proc, tmp_path):
   import shutil
   d = str(tmp_path / "copy")

@@ -259,6 +259,7 @@ def two_sample_chi2(a: np.ndarray, b: np.ndarray, min_count: int = 10):
   return stat, chi2_threshold(len(ca) - 1), len(ca)
 
 
+@pytest.mark.e2e  # a law drawn from 32,768 samples a side
 def test_lossless_sampling_keeps_the_ar_distribution(model):
   """The joint law of the first 3 tokens (temperature 1, top-p 0.9): AR sampling on seeds
   [0, N) against lossless sampling at W = 2, 4, 5 on seeds [N, 2N), N = 32,768, by a
@@ -351,6 +352,7 @@ def test_stop_strings_split_across_tokens(qwen_model):
                       **{**kw, "tokenizer": None})
 
 
+@pytest.mark.e2e  # the continuous-batching server, end to end
 def test_server_samples_as_generate_does(model, qwen_model):
   """Continuous batching (2 rows, 4 requests, lossless W=4): each request's tokens are its
   `generate` tokens, stop ids and stop strings included, with its finish reason."""

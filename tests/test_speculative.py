@@ -86,6 +86,7 @@ def test_sampled_equals_the_targets_ar_sampling(model, drafters, k, target_windo
     assert out.tokens == want.tokens, name
 
 
+@pytest.mark.e2e  # a law drawn from 32,768 samples a side
 def test_two_model_sampling_keeps_the_ar_distribution(model, drafters):
   """The sampling issue's test with two models: the joint law of the first 3 tokens
   (temperature 1, top-p 0.9) of AR sampling on seeds [0, N) against the noisy drafter
@@ -103,6 +104,7 @@ def test_two_model_sampling_keeps_the_ar_distribution(model, drafters):
   assert stat < threshold
 
 
+@pytest.mark.e2e  # the continuous-batching server, end to end
 def test_server_with_a_drafter_equals_generate(model, drafters):
   """Continuous batching with a drafter (1 to 2 rows, 8 requests, 3 rounds a step, so rows
   are refilled and regrouped): each request's tokens are the target's AR tokens, greedy

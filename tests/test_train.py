@@ -63,6 +63,7 @@ def straight(tmp_path_factory):
   return d
 
 
+@pytest.mark.e2e  # the train CLI in a subprocess
 def test_resume_is_exact(straight, tmp_path):
   d = str(tmp_path / "resumed")
   r = train(d, "--config.train.steps=6", "--config.train.checkpoint_every=3",
@@ -80,6 +81,7 @@ def test_resume_is_exact(straight, tmp_path):
   assert_bitwise(params_of(d), params_of(straight))
 
 
+@pytest.mark.e2e  # the train CLI in a subprocess
 def test_resume_keeps_the_recorded_precision(straight):
   """layout.json records the runtime; continuing the run at another compute dtype is
   refused (it would silently change what the run trains at)."""
@@ -114,6 +116,7 @@ def kill_after_a_checkpoint(run_dir, *extra, steps=6, at_least=2) -> int:
   return killed_at
 
 
+@pytest.mark.e2e  # the train CLI in a subprocess
 def test_sigkill_leaves_a_restorable_checkpoint(straight, tmp_path):
   d = str(tmp_path / "killed")
   killed_at = kill_after_a_checkpoint(d)
@@ -147,7 +150,8 @@ def _chat_file(path, n=48):
   return str(path)
 
 
-@pytest.mark.parametrize("num_eval", [0, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_eval", [pytest.param(0, marks=pytest.mark.e2e),
+                                      pytest.param(8, marks=pytest.mark.slow)])
 def test_file_source_trains_with_or_without_held_out_slice(tmp_path, num_eval):
   """A JSONL source without eval_source: num_eval=0 trains without eval loss (one-line
   notice); num_eval=8 holds 8 records out and reports eval loss."""
@@ -167,6 +171,7 @@ def test_file_source_trains_with_or_without_held_out_slice(tmp_path, num_eval):
   assert checkpoint.resolve_checkpoint(d)[1] == 3
 
 
+@pytest.mark.e2e  # the train CLI in a subprocess
 def test_eval_batches_zero_means_no_eval_loss(tmp_path):
   """train.eval_batches=0 never fails, even with no eval set or one smaller than a
   batch; a held-out slice smaller than one batch is a clear error at set-up otherwise."""

@@ -1,4 +1,7 @@
-"""grain data pipelines: sources, chat formatting, label masking, packing, synthetic task.
+"""Data: local chat files (JSONL, Parquet, `datasets` directories) to training rows:
+sources, chat formatting, label masking, bad records, the tokenized cache, packing,
+grain pipelines, and the synthetic task. Not a downloader or a data-mixing tool:
+`data.source` names local files (docs/data.md).
 
 Entry points (see pipeline.py for the config fields and batch layout):
   load_data(data_cfg, tokenizer) -> ChatData

@@ -1,5 +1,8 @@
 """Serving: continuous batching in process (`Server`) and the OpenAI-compatible HTTP
-server over it (`python -m mars_jax.serve --model DIR`, docs/serving.md)."""
+server over it (`python -m mars_jax.serve --model DIR`, docs/serving.md).
+
+Not a gateway for several models, and not the place for one batch of prompts:
+`mars_jax.sampling.generate` decodes those (docs/decoding.md)."""
 
 from mars_jax.serve.server import Completion, Request, Server, Update
 

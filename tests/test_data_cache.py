@@ -170,6 +170,7 @@ def _prepare_cmd(model_dir, source, cache_dir, *extra):
 _ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
 
 
+@pytest.mark.e2e  # data.prepare in subprocesses, killed or side by side
 def test_prepare_finishes_a_build_killed_with_minus_9(setup, model_dir, tmp_path):
   src = write_chats(tmp_path / "big.jsonl", 3000, bad=False)
   cdir = tmp_path / "c"
@@ -201,6 +202,7 @@ def test_prepare_finishes_a_build_killed_with_minus_9(setup, model_dir, tmp_path
     _equal(resumed.train[i], clean.train[i])
 
 
+@pytest.mark.e2e  # data.prepare in subprocesses, killed or side by side
 def test_two_processes_build_their_shares_and_read_the_union(model_dir, tmp_path):
   src = write_chats(tmp_path / "a.jsonl", 600, bad=False)
   with socket.socket() as s:

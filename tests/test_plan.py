@@ -141,6 +141,7 @@ def test_ar_sft_compiles_tensor_parallel(topology, mesh):
   assert got.args == counted if topology.startswith("h100") else got.args >= counted
 
 
+@pytest.mark.e2e  # whole programs through the TPU/GPU compilers
 def test_a_step_that_does_not_fit_gets_the_micro_batches_that_do():
   """On a chip one byte smaller than the step needs at 2 micro-batches, the search
   compiles the next count that splits the batch (4) and reports it, with what it tried."""
@@ -161,6 +162,7 @@ def test_a_step_that_does_not_fit_gets_the_micro_batches_that_do():
 
 
 @pytest.mark.parametrize("topology", ["v5p-8", "h100-8"])
+@pytest.mark.e2e  # whole programs through the TPU/GPU compilers
 def test_decode_plan_one_chip_and_tensor_parallel(topology):
   """The decoding loop compiled on one chip (AR) and tensor-parallel over four (AR and
   W = 3): the weights and the KV cache (4 kv heads) split four ways, so each chip's

@@ -106,6 +106,7 @@ def eight_devices():
 
 
 @pytest.mark.parametrize("mesh,setting", RUNS)
+@pytest.mark.e2e  # the eight-device child process (a minute)
 def test_generate_on_a_mesh_equals_one_device(eight_devices, mesh, setting):
   assert eight_devices["devices"] == 8
   one = eight_devices["generate"][f"one/{setting}"]
@@ -115,12 +116,14 @@ def test_generate_on_a_mesh_equals_one_device(eight_devices, mesh, setting):
     assert sum(forwards) < sum(map(len, tokens)) < 3 * sum(forwards), one
 
 
+@pytest.mark.e2e  # the eight-device child process (a minute)
 def test_server_on_a_mesh_equals_one_device(eight_devices):
   one = eight_devices["serve"]["one"]
   assert eight_devices["serve"]["data=2,tensor=4"] == one  # tokens and forwards
   assert sum(f for _, f in one) < sum(len(t) for t, _ in one)  # MASK proposals passed
 
 
+@pytest.mark.e2e  # the eight-device child process (a minute)
 def test_the_cache_splits_on_kv_heads_where_tensor_divides_them(eight_devices):
   specs = eight_devices["cache_spec"]
   assert specs["data=2,tensor=4"] == str(P(None, "data", "tensor"))  # [L, b, kv_heads, ..]
@@ -128,6 +131,7 @@ def test_the_cache_splits_on_kv_heads_where_tensor_divides_them(eight_devices):
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
+@pytest.mark.e2e  # the eight-device child process (a minute)
 def test_lower_decode_on_tpu_puts_a_quarter_of_the_weights_on_each_chip(eight_devices):
   tpu = eight_devices["tpu"]
   assert 0.24 < tpu["tensor=4"] / tpu["param_bytes"] < 0.26, tpu

@@ -3,13 +3,17 @@
   python -m mars_jax.study --config configs/study.py --workdir runs/study
 
 The model, tokenizer and data are configs/tiny.py's, and so is the parent's run length;
-each child runs 300 steps (the run docs/results.md reports). `study` sets the run lengths,
-the variants and the evaluation grid (see mars_jax/training/study.py). With the defaults the
-parent is configs/tiny.py's stage 1, so `--config.study.parent_dir=runs/tiny/stage1`
-reuses the default run's parent; the MARS variants run the paper's objective
-(ar_weight 1, or 0 without the AR loss) at configs/tiny.py's stage-2 learning rate. The
-report goes to WORKDIR/results.md; `--config.study.report=docs/results.md` replaces the
-tracked one.
+each child runs 300 steps (the run docs/results.md reports). `study` sets the seeds, the
+run lengths, the variants and the evaluation grid (see mars_jax/training/study.py). Every
+seed of `study.seeds` trains its own parent and variants (`--config.study.seeds=0,1,2,3,4`
+for five). With the defaults a parent is configs/tiny.py's stage 1 with the seed as
+train.seed and data.seed, so `--config.study.seeds=0 --config.study.parent_dir=
+runs/tiny/stage1` reuses the default run's parent for seed 0; several seeds need one
+parent each (`{seed}` in the path, or comma-separated). The MARS variants run the
+paper's objective (ar_weight 1, or 0 without the AR loss) at configs/tiny.py's stage-2
+learning rate. `rounding_check` trains the first seed's parent once more on the unrolled
+runtime, for the spread float rounding alone gives. The report goes to
+WORKDIR/results.md; `--config.study.report=docs/results.md` replaces the tracked one.
 """
 
 import importlib.util
@@ -31,12 +35,14 @@ def get_config():
   c.train.eval_every = 100
   c.train.checkpoint_every = 100
   c.study = ml_collections.ConfigDict(dict(
+      seeds=(0, 1, 2), rounding_check=True,
       parent_dir=ml_collections.config_dict.placeholder(str),
       parent_steps=c.stage1.steps, parent_learning_rate=c.stage1.learning_rate,
       child_steps=300,  # docs/results.md's run (configs/tiny.py's stage 2 now runs 450)
       variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
-                "noar_b16", "bd_b4"),
-      taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability", "margin"), num_problems=500,
+                "noar_b16", "bd_b4", "lora_r32"),
+      # The margin gate too: gates=('probability','margin') (twice the evaluation time).
+      taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability",), num_problems=500,
       # None: WORKDIR/results.md; the tracked report is written with
       # --config.study.report=docs/results.md
       report=ml_collections.config_dict.placeholder(str)))

@@ -1,13 +1,20 @@
 """The toy-scale study (`python -m mars_jax.study`, the CLI in mars_jax/study.py): its
-variants, the train config of each, training and evaluating them on the held-out
-synthetic problems, and the report (tables, Pareto plot, wall-clock).
+variants, the train config of each, and training and evaluating them on the held-out
+synthetic problems, once per seed. The report (intervals over seeds, the claim table,
+the Pareto plot) is mars_jax/training/study_report.py.
 
-An AR-SFT parent is trained on the synthetic task; from it, each variant trains the
-same number of steps (`VARIANTS`, `LORA_VARIANTS`; docs/results_lora.md). Finished runs
-are reused, so an interrupted study resumes. Each run is scored on the synthetic test
-split drawn with its recorded data settings (its task.json; the study config's
-data.synthetic for a run with no record); a reused parent whose record differs from the
-study's is named.
+Per seed of `study.seeds`, in WORKDIR/seed_<s>/: an AR-SFT parent is trained on the
+synthetic task with that seed (init, masking and data order: `train.seed` and
+`data.seed`; the task's split is `data.synthetic.seed`, the same for every seed, so
+every seed is scored on the same held-out problems); from it, each variant trains the
+same number of steps (`VARIANTS`, `LORA_VARIANTS`; docs/results_lora.md). With
+`study.rounding_check`, the first seed's parent is also trained on the unrolled runtime
+(`model.scan_layers=False`): the same seed and data, different float rounding.
+
+Finished runs are reused, so an interrupted study resumes. Each run is scored on the
+synthetic test split drawn with its recorded data settings (its task.json; the study
+config's data.synthetic for a run with no record); a reused parent whose record differs
+from the study's is named.
 """
 
 from __future__ import annotations
@@ -44,17 +51,24 @@ LORA_VARIANTS = {
 }
 
 
-def variant_config(cfg, name: str, parent_dir: str | None):
-  """The train config of one run of the study."""
+# The first seed's parent again on the unrolled runtime (`study.rounding_check`).
+UNROLLED_PARENT = "parent_unrolled"
+
+
+def variant_config(cfg, name: str, parent_dir: str | None, seed: int = 0):
+  """The train config of one run of the study, with `seed` as its train and data seed."""
   c = cfg.copy_and_resolve_references()
   c.unlock()
   c.stage1.enabled = False
   c.final_eval.num_problems = 0
   c.train.export_hf = False
-  if name == "parent":
+  c.train.seed = seed
+  c.data.seed = seed
+  if name in ("parent", UNROLLED_PARENT):
     c.objective.kind = "ar_sft"
     c.train.steps = cfg.study.parent_steps
     c.optimizer.learning_rate = cfg.study.parent_learning_rate
+    c.model.scan_layers = name == "parent" and cfg.model.scan_layers
   else:
     kind, block, ar_weight, intra = _objective_of(name)
     if name in LORA_VARIANTS:
@@ -81,7 +95,7 @@ def _objective_of(name: str) -> tuple[str, int, float, str]:
 def eval_settings(name: str, cfg) -> list[tuple[str, int, float]]:
   """(gate, window, tau) to evaluate: AR only for AR models; else window B (and B+1 at
   B=4) at every tau and gate, plus AR mode."""
-  if name in ("parent", "control"):
+  if name in ("parent", UNROLLED_PARENT, "control"):
     return [("probability", 1, 1.0)]
   block = _objective_of(name)[1]
   windows = [block, block + 1] if block == 4 else [block]
@@ -91,22 +105,69 @@ def eval_settings(name: str, cfg) -> list[tuple[str, int, float]]:
   return out
 
 
-def run_study(cfg, workdir: str) -> dict:
+def seeds_of(cfg) -> list[int]:
+  """study.seeds as a list of distinct ints (a single int is one seed)."""
+  seeds = cfg.study.seeds
+  seeds = [seeds] if isinstance(seeds, int) else list(seeds)
+  if not seeds or len(set(seeds)) != len(seeds) or not all(
+      isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    raise ValueError(f"study.seeds={cfg.study.seeds!r}: give distinct integer seeds, "
+                     "e.g. --config.study.seeds=0,1,2.")
+  return seeds
+
+
+def parent_dirs(cfg, workdir: str) -> dict[int, str]:
+  """seed -> the parent's run directory. study.parent_dir unset: WORKDIR/seed_<s>/parent,
+  trained by the study. Set: a directory with `{seed}` in it (one per seed), or as many
+  comma-separated directories as seeds; one directory serves one seed only."""
+  seeds, given = seeds_of(cfg), cfg.study.parent_dir
+  if not given:
+    return {s: os.path.join(seed_dir(workdir, s), "parent") for s in seeds}
+  if "{seed}" in given:
+    return {s: given.replace("{seed}", str(s)) for s in seeds}
+  dirs = [d.strip() for d in given.split(",")]
+  if len(dirs) != len(seeds):
+    raise ValueError(
+        f"study.parent_dir={given!r} gives {len(dirs)} parent(s) for {len(seeds)} seeds "
+        f"{seeds}: each seed needs its own parent, trained with that seed. Give one "
+        "directory per seed, comma-separated in the order of study.seeds or as a path "
+        "with {seed} in it (e.g. runs/parents/seed_{seed}), or leave study.parent_dir "
+        "unset to train them.")
+  return dict(zip(seeds, dirs))
+
+
+def seed_dir(workdir: str, seed: int) -> str:
+  return os.path.join(workdir, f"seed_{seed}")
+
+
+def run_study(cfg, workdir: str) -> dict[int, dict]:
+  """Trains and scores every run of every seed -> {seed: {run name: result}}."""
+  parents = parent_dirs(cfg, workdir)
+  names = ["parent", *cfg.study.variants]
+  for name in names[1:]:
+    _objective_of(name)   # an unknown variant fails before any training
+  out = {}
+  for i, seed in enumerate(parents):
+    extra = [UNROLLED_PARENT] if cfg.study.rounding_check and i == 0 else []
+    out[seed] = run_seed(cfg, seed_dir(workdir, seed), seed, parents[seed], names + extra)
+  return out
+
+
+def run_seed(cfg, workdir: str, seed: int, parent_dir: str, names: list[str]) -> dict:
+  """The runs `names` of one seed, in `workdir` (the parent in `parent_dir`) -> {name:
+  result}; results.json there keeps the finished ones, so a rerun resumes."""
   os.makedirs(workdir, exist_ok=True)
   results_path = os.path.join(workdir, "results.json")
   results = json.load(open(results_path)) if os.path.exists(results_path) else {}
-  parent_dir = cfg.study.parent_dir or os.path.join(workdir, "parent")
   study_split = split_settings(task_settings(cfg.data))
   problem_sets: dict[tuple, list[dict]] = {}
-  for name in ["parent", *cfg.study.variants]:
+  for name in names:
     if name in results:
-      if "trainable_params" not in results[name]:   # a result from before the count
-        results[name]["trainable_params"], results[name]["params"] = _param_counts(
-            results[name]["run_dir"])
       continue
     run_dir = parent_dir if name == "parent" else os.path.join(workdir, name)
     t0 = time.time()
-    summary = experiment.run(variant_config(cfg, name, parent_dir), run_dir)
+    _LOG.info("[seed %d] %s -> %s", seed, name, run_dir)
+    summary = experiment.run(variant_config(cfg, name, parent_dir, seed), run_dir)
     train_s = time.time() - t0
     final = summary["stages"]["main"]["final"] or {}
     model = load_model(run_dir)
@@ -129,15 +190,15 @@ def run_study(cfg, workdir: str) -> dict:
                    **{k: v for k, v in r.items() if k != "outputs"}})
     trainable, total = _param_counts(run_dir)
     results[name] = {"train_s": train_s, "eval_s": time.time() - t1, "rows": rows,
-                     "trainable_params": trainable, "params": total,
+                     "trainable_params": trainable, "params": total, "seed": seed,
                      "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss"),
                      "run_dir": run_dir, "synthetic": split}
-    print(f"\n[{name}] train {train_s:.0f}s, eval {results[name]['eval_s']:.0f}s\n"
+    print(f"\n[seed {seed}: {name}] train {train_s:.0f}s, eval {results[name]['eval_s']:.0f}s\n"
           + evaluate.format_table(rows), flush=True)
     with open(results_path + ".tmp", "w") as f:
       json.dump(results, f, indent=2)
     os.replace(results_path + ".tmp", results_path)
-  return results
+  return {name: results[name] for name in names}
 
 
 def _param_counts(run_dir: str) -> tuple[int, int]:
@@ -148,53 +209,3 @@ def _param_counts(run_dir: str) -> tuple[int, int]:
 def split_settings(record: dict) -> dict:
   """The generator settings of a task record that decide the test problems."""
   return {k: record["synthetic"][k] for k in synthetic.SPLIT_DEFAULTS}
-
-
-def write_report(cfg, results: dict, path: str, command: str) -> None:
-  """docs/results.md: tables, the Pareto plot, wall-clock per run, the command."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  plot = os.path.splitext(path)[0] + "_pareto.png"
-  series = {}
-  for name, res in results.items():
-    for r in res["rows"]:
-      if r["window"] > 1:
-        series.setdefault(f"{name} {r['metric']} W={r['window']}", []).append(r)
-  evaluate.pareto_plot(series, plot, title="accuracy vs tokens per forward (held-out)")
-  s = cfg.study
-  lines = [
-      "# Toy-scale study: MARS on the synthetic arithmetic task", "",
-      f"Command: `{command}`", "",
-      f"Parent: AR-SFT from random init, {s.parent_steps} steps; every variant then trains "
-      f"{s.child_steps} steps from it. Model: "
-      f"{cfg.model.overrides.num_hidden_layers} layers, hidden "
-      f"{cfg.model.overrides.hidden_size}; batch {cfg.train.batch_size}, length "
-      f"{cfg.data.max_length}. Greedy decoding on {s.num_problems} held-out problems of "
-      f"the synthetic test split (difficulty {cfg.data.synthetic.difficulty}, split seed "
-      f"{cfg.data.synthetic.seed}, test fraction {cfg.data.synthetic.test_fraction}: the "
-      "training data's); tokens per forward = generated tokens / forwards (AR = 1.00).", "",
-      *[f"Note: `{name}` trained on, and is evaluated on, synthetic {res['synthetic']} "
-        "(its task.json), not the study's settings.\n"
-        for name, res in results.items()
-        if res.get("synthetic") not in (None, split_settings(task_settings(cfg.data)))],
-      "## Wall-clock and final losses", "",
-      "A run trained before the study (a reused parent) shows only its loading time and no "
-      "final loss here.", "",
-      "| run | train s | eval s | final train loss | final eval loss | trained params |",
-      "|---|---:|---:|---:|---:|---:|"]
-  for name, res in results.items():
-    fl = res.get("final_loss")
-    fe = res.get("final_eval_loss")
-    n = res.get("trainable_params")
-    trained = "" if n is None else f"{n:,} of {res['params']:,}"
-    lines.append(f"| {name} | {res['train_s']:.0f} | {res['eval_s']:.0f} | "
-                 f"{'' if fl is None else f'{fl:.4f}'} | {'' if fe is None else f'{fe:.4f}'} | "
-                 f"{trained} |")
-  lines += ["", "## Accuracy and tokens per forward", "",
-            "| run | gate | W | tau | accuracy | tokens/forward |", "|---|---|---:|---:|---:|---:|"]
-  for name, res in results.items():
-    for r in res["rows"]:
-      lines.append(f"| {name} | {r['metric']} | {r['window']} | {r['tau']:.2f} | "
-                   f"{100 * r['accuracy']:.1f}% | {r['tokens_per_forward']:.2f} |")
-  lines += ["", f"![Pareto plot]({os.path.basename(plot)})", ""]
-  with open(path, "w") as f:
-    f.write("\n".join(lines))

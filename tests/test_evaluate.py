@@ -100,13 +100,16 @@ def test_cli_passes_the_sampling_flags(tmp_path, monkeypatch, capsys):
   assert e.value.code == 2 and "top_p=[0.0]; it must be in (0, 1]" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.e2e   # the study's CLI: two seeds of a miniature, trained and scored
 def test_study_miniature(tmp_path):
+  """Two seeds, each with its own parent and variants, the seed-0 parent again unrolled,
+  and the report's claim, interval and per-seed tables."""
   report = tmp_path / "results.md"
   r = subprocess.run(
       [sys.executable, "-m", "mars_jax.study", "--config", os.path.join(ROOT, "configs/study.py"),
        f"--workdir={tmp_path}/study", "--config.study.parent_steps=2",
        "--config.study.child_steps=2", "--config.study.variants=('control','mars_b4')",
+       "--config.study.seeds=0,1",
        "--config.study.taus=(1.0,0.9)", "--config.study.gates=('probability',)",
        "--config.study.num_problems=4", f"--config.study.report={report}",
        "--config.model.overrides.hidden_size=32", "--config.model.overrides.intermediate_size=64",
@@ -117,7 +120,11 @@ def test_study_miniature(tmp_path):
       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   text = report.read_text()
-  for name in ("parent", "control", "mars_b4"):
-    assert f"| {name} |" in text
+  for seed in (0, 1):
+    for name in ("parent", "control", "mars_b4"):
+      assert f"| {seed} | {name} |" in text
+      assert os.path.isdir(tmp_path / "study" / f"seed_{seed}" / name)
+  assert "| 0 | parent_unrolled |" in text and "seed 0's parent, trained twice" in text
   assert "| mars_b4 | probability | 5 | 0.90 |" in text
+  assert "| mars_b4 AR mode - control AR mode |" in text
   assert (tmp_path / "results_pareto.png").stat().st_size > 0

@@ -25,12 +25,17 @@ pytestmark = pytest.mark.slurm
 CLUSTER = os.path.join(ROOT, "launch", "slurm_localhost.sh")
 SBATCH = os.path.join(ROOT, "launch", "gpu_slurm.sbatch")
 SHORT = ["--config.train.steps=8", "--config.train.checkpoint_every=4"]
-# Long enough (about 90 s of 2-process steps here, 7-8 a second) that the time-limit
-# signal of --time=3 --signal=TERM@90, which SLURM sends 60 to 90 s into an attempt,
-# finds the run in its training loop after two short attempts; no regular checkpoint
-# before the end, so one found is a SIGTERM's.
-LONG = ["--config.train.steps=700", "--config.train.checkpoint_every=1000",
-        "--config.train.eval_batches=0", "--config.train.log_every=1"]
+# The preempted job's run: long enough that the time-limit signal of --time=3
+# --signal=TERM@90, which SLURM sends 60 to 90 s into an attempt, finds the run in its
+# training loop after two short attempts. Its step count is sized to this machine by
+# `long_ref` (TRAIN_S of 2-process steps: 700 steps took 90 s on a 2-core host and 25 s
+# on CI's); no regular checkpoint before the end, so one found is a SIGTERM's.
+def long_args(steps):
+  return [f"--config.train.steps={steps}", "--config.train.checkpoint_every=100000",
+          "--config.train.eval_batches=0", "--config.train.log_every=1"]
+
+
+LONG_STEPS, TRAIN_S = 700, (150, 200)   # first guess; the reference's training seconds
 SIZES = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
 SUBMITTED = []   # job ids of this module, cancelled at its end
 
@@ -141,13 +146,28 @@ def test_two_tasks_equal_local_sh_and_one_process(cluster, tmp_path):
                params_of(d), params_of(one))
 
 
+def trained_seconds(logdir):
+  """The main stage's wall-clock, as process 0 logged it ('... step N loss L (Ss)')."""
+  text = "".join(open(os.path.join(logdir, f)).read() for f in sorted(os.listdir(logdir)))
+  found = re.findall(r"\[main\] \w+: step \d+ loss \S+(?: eval_loss \S+)? \((\d+)s\)", text)
+  assert found, f"no stage wall-clock in {logdir}:\n{text[-2000:]}"
+  return int(found[-1])
+
+
 @pytest.fixture(scope="module")
 def long_ref(cluster, tmp_path_factory):
-  """The uninterrupted 2-process run (launch/local.sh) of LONG, the reference of the
-  preempted jobs; it also fills the compilation cache that their attempts start from."""
-  d = str(tmp_path_factory.mktemp("long") / "local")
-  train_2proc(d, *LONG, devices=1)
-  return d
+  """(run dir, train args): the uninterrupted 2-process run (launch/local.sh), the
+  reference of the preempted jobs, sized to train TRAIN_S[0] to TRAIN_S[1] s on this
+  machine (the first guess, rerun longer where this machine is faster); it also fills the
+  compilation cache that their attempts start from."""
+  steps = LONG_STEPS
+  for _ in range(3):
+    d = str(tmp_path_factory.mktemp("long") / "local")
+    secs = trained_seconds(train_2proc(d, *long_args(steps), devices=1))
+    if secs >= TRAIN_S[0]:
+      return d, long_args(steps)
+    steps = steps * sum(TRAIN_S) // 2 // max(secs, 1)
+  raise AssertionError(f"{steps} steps still trained in {secs} s < {TRAIN_S[0]} s")
 
 
 def test_preempted_requeued_resumes_bitwise(long_ref, tmp_path):
@@ -161,8 +181,9 @@ def test_preempted_requeued_resumes_bitwise(long_ref, tmp_path):
   3. SLURM's own time-limit signal (60 to 90 s into an attempt): the same, at every
      attempt that is still training then.
   The last attempt finishes, bitwise equal to the uninterrupted 2-process run."""
+  ref, args = long_ref
   d, out = str(tmp_path / "slurm"), str(tmp_path / "slurm-%j.out")
-  job = sbatch(out, d, *LONG, sizes=[*SIZES, "--time=3", "--signal=TERM@90"])
+  job = sbatch(out, d, *args, sizes=[*SIZES, "--time=3", "--signal=TERM@90"])
   wait_for_new_step(job, d, restarts=0)
   sh("scancel", "--signal=TERM", "--full", job)
   wait_for_new_step(job, d, restarts=1)
@@ -191,17 +212,17 @@ def test_preempted_requeued_resumes_bitwise(long_ref, tmp_path):
   exits = re.findall(r"srun: error: \S+: tasks? ([0-9-]+): Exited with exit code 143", log)
   assert sum(2 if t == "0-1" else 1 for t in exits) == 2 * (restarts - 1), exits
   assert f"job {job}: srun status 0" in log
-  steps = int(LONG[0].split("=")[1])
-  got, ref = losses(d), losses(long_ref)
+  steps = int(args[0].split("=")[1])
+  got, want = losses(d), losses(ref)
   assert sorted(got) == list(range(1, steps + 1))
-  assert [got[s] for s in range(1, steps + 1)] == [ref[s] for s in range(1, steps + 1)]
-  assert_bitwise(params_of(d), params_of(long_ref))
+  assert [got[s] for s in range(1, steps + 1)] == [want[s] for s in range(1, steps + 1)]
+  assert_bitwise(params_of(d), params_of(ref))
 
 
 def test_plain_scancel_is_not_requeued(long_ref, tmp_path):
   """A plain scancel cancels: the script does not bring the job back."""
   d, out = str(tmp_path / "slurm"), str(tmp_path / "slurm-%j.out")
-  job = sbatch(out, d, *LONG)
+  job = sbatch(out, d, *long_ref[1])
   wait_for_new_step(job, d, restarts=0)
   sh("scancel", job)
   state = wait_for(job, lambda s, r, n: s not in ("RUNNING", "COMPLETING", "PENDING"),

@@ -190,7 +190,7 @@ def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, ca
 def test_study_report_names_the_settings(tmp_path):
   """The study report states the held-out split's settings and names a run evaluated on
   other ones (a reused parent whose task.json differs from the study's data)."""
-  from mars_jax.training import study
+  from mars_jax.training import study, study_report
   cfg = _config("study")
   own = study.split_settings(task_settings(cfg.data))
   row = {"metric": "probability", "window": 4, "tau": 1.0, "accuracy": 0.5,
@@ -199,7 +199,7 @@ def test_study_report_names_the_settings(tmp_path):
                         {**own, "difficulty": "standard"}},
              "control": {"train_s": 1, "eval_s": 1, "rows": [row], "synthetic": own}}
   path = tmp_path / "results.md"
-  study.write_report(cfg, results, str(path), "cmd")
+  study_report.write_report(cfg, {0: results}, str(path), "cmd")
   text = path.read_text()
   assert "synthetic test split (difficulty easy, split seed 0, test fraction 0.1" in text
-  assert "Note: `parent` trained on" in text and "Note: `control`" not in text
+  assert "Note: seed 0's `parent` trained on" in text and "`control` trained" not in text

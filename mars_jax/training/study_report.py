@@ -188,7 +188,8 @@ def pareto(table: dict[tuple, dict], path: str) -> None:
   ax.set_title("accuracy vs tokens per forward (held-out; mean, 95% interval over seeds)",
                fontsize=9)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  if series:
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

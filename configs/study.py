@@ -7,11 +7,15 @@ each child runs 300 steps (the run docs/results.md reports). `study` sets the se
 run lengths, the variants and the evaluation grid (see mars_jax/training/study.py). Every
 seed of `study.seeds` trains its own parent and variants (`--config.study.seeds=0,1,2,3,4`
 for five). With the defaults a parent is configs/tiny.py's stage 1 with the seed as
-train.seed and data.seed, so `--config.study.seeds=0 --config.study.parent_dir=
-runs/tiny/stage1` reuses the default run's parent for seed 0; several seeds need one
-parent each (`{seed}` in the path, or comma-separated). The MARS variants run the
-paper's objective (ar_weight 1, or 0 without the AR loss) at configs/tiny.py's stage-2
-learning rate. `rounding_check` trains the first seed's parent once more on the unrolled
+train.seed and data.seed, so a study of seed 0 alone can reuse the default run's
+parent:
+
+  python -m mars_jax.study --config configs/study.py --workdir runs/study0 \
+      --config.study.seeds=0 --config.study.parent_dir=runs/tiny/stage1
+
+Several seeds need one parent each (`{seed}` in the path, or comma-separated). The
+MARS variants run the paper's objective (ar_weight 1, or 0 without the AR loss) at
+configs/tiny.py's stage-2 learning rate. `rounding_check` trains the first seed's parent once more on the unrolled
 runtime, for the spread float rounding alone gives. The report goes to
 WORKDIR/results.md; `--config.study.report=docs/results.md` replaces the tracked one.
 """

@@ -28,7 +28,7 @@ SHORT = ["--config.train.steps=8", "--config.train.checkpoint_every=4"]
 # The preempted job's run: long enough that the time-limit signal of --time=3
 # --signal=TERM@90, which SLURM sends 60 to 90 s into an attempt, finds the run in its
 # training loop after two short attempts. Its step count is sized to this machine by
-# `long_ref` (TRAIN_S of 2-process steps: 700 steps took 90 s on a 2-core host and 25 s
+# `long_ref` (TRAIN_S of 2-process steps: 700 steps took about 90 s on a 2-core host and 31 s
 # on CI's); no regular checkpoint before the end, so one found is a SIGTERM's.
 def long_args(steps):
   return [f"--config.train.steps={steps}", "--config.train.checkpoint_every=100000",

@@ -91,7 +91,9 @@ def test_report_pairs_seeds_and_judges_each_claim(cfg, tmp_path):
   path = tmp_path / "results.md"
   study_report.write_report(cfg, results, str(path), "cmd")
   text = path.read_text()
-  rows = {l.split(" | ")[2]: l for l in text.splitlines() if l.startswith("| ") and " - " in l}
+  rows = {l.split(" | ")[2].replace(" (2.60 ± 0.25 tokens/forward)", "").replace(
+      " (2.00 ± 0.00 tokens/forward)", ""): l
+          for l in text.splitlines() if l.startswith("| ") and " - " in l}
   assert rows["mars_b4 AR mode - control AR mode"].endswith(
       "| +4.0 ± 2.5 | +3.0, +4.0, +5.0 | **holds** |")
   assert rows["mars_b4 tau 0.95 W=4 - mars_b4 AR mode"].endswith(
@@ -103,7 +105,8 @@ def test_report_pairs_seeds_and_judges_each_claim(cfg, tmp_path):
   assert "| mars_b4 | probability | 4 | 0.95 | 86.0% ± 4.3 | 85.0, 85.0, 88.0 | " \
          "2.60 ± 0.25 | 2.50, 2.60, 2.70 |" in text
   assert "seed 0's parent" in text and "scored 95.0% and 88.4% in AR mode" in text
-  assert "6.6 points apart" in text
+  assert "6.6 points apart, where the parents of the 3 seeds span 95.0% to 95.0%" in text
+  assert "| mars_b4 tau 0.95 W=4 (2.60 ± 0.25 tokens/forward) - mars_b4 AR mode |" in text
   assert "| 2 | lora_r32 | 10 | 2 |" in text and "sum to 3 min" in text
   assert text.index("## What holds") < text.index("## Accuracy and tokens per forward")
   assert (tmp_path / "results_pareto.png").stat().st_size > 0

@@ -193,18 +193,26 @@ def pareto(table: dict[tuple, dict], path: str) -> None:
     if w > 1:
       series.setdefault(f"{name} {gate} W={w}", []).append(iv)
   fig, ax = plt.subplots(figsize=(7, 5))
-  for label, ivs in series.items():
+  control = table.get(("control", *AR))
+  if control is not None:   # the AR-SFT control's accuracy, its interval shaded
+    acc = control["accuracy"]
+    ax.axhline(acc.mean, color="black", ls="--", lw=1, label="control (AR-SFT), AR mode")
+    if acc.half is not None:
+      ax.axhspan(acc.low, acc.high, color="black", alpha=0.08)
+  colors = plt.cm.tab10.colors   # past ten series: the colors again, dashed and square
+  for k, (label, ivs) in enumerate(series.items()):
     ivs = sorted(ivs, key=lambda i: i["tokens_per_forward"].mean)
-    err = lambda k: [0.0 if i[k].half is None else i[k].half for i in ivs]
+    err = lambda key: [0.0 if i[key].half is None else i[key].half for i in ivs]
     ax.errorbar([i["tokens_per_forward"].mean for i in ivs], [i["accuracy"].mean for i in ivs],
-                xerr=err("tokens_per_forward"), yerr=err("accuracy"), fmt="o-", ms=4,
-                capsize=2, label=label)
+                xerr=err("tokens_per_forward"), yerr=err("accuracy"),
+                fmt="o-" if k < 10 else "s--", ms=4, capsize=2, label=label,
+                color=colors[k % 10])
   ax.set_xlabel("tokens per forward")
   ax.set_ylabel("exact-match accuracy (%)")
   ax.set_title("accuracy vs tokens per forward (held-out; mean, 95% interval over seeds)",
                fontsize=9)
   ax.grid(alpha=0.3)
-  if series:
+  if series or control is not None:
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -27,15 +27,16 @@ SBATCH = os.path.join(ROOT, "launch", "gpu_slurm.sbatch")
 SHORT = ["--config.train.steps=8", "--config.train.checkpoint_every=4"]
 # The preempted job's run: long enough that the time-limit signal of --time=3
 # --signal=TERM@90, which SLURM sends 60 to 90 s into an attempt, finds the run in its
-# training loop after two short attempts. Its step count is sized to this machine by
-# `long_ref` (TRAIN_S of 2-process steps: 700 steps took about 90 s on a 2-core host and 31 s
-# on CI's); no regular checkpoint before the end, so one found is a SIGTERM's.
+# training loop after two short attempts (stopped at their first step). Its step count is
+# sized to this machine by `long_ref`: at least TRAIN_S[0] s of 2-process training, aiming
+# at TRAIN_S[1] (700 steps took 31 s on CI's machine; 5062 took 144 s here). No regular
+# checkpoint before the end, so one found is a SIGTERM's.
 def long_args(steps):
-  return [f"--config.train.steps={steps}", "--config.train.checkpoint_every=100000",
+  return [f"--config.train.steps={steps}", "--config.train.checkpoint_every=1000000",
           "--config.train.eval_batches=0", "--config.train.log_every=1"]
 
 
-LONG_STEPS, TRAIN_S = 700, (150, 200)   # first guess; the reference's training seconds
+LONG_STEPS, TRAIN_S = 700, (110, 180)   # first guess; the reference's training seconds
 SIZES = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
 SUBMITTED = []   # job ids of this module, cancelled at its end
 
@@ -157,17 +158,21 @@ def trained_seconds(logdir):
 @pytest.fixture(scope="module")
 def long_ref(cluster, tmp_path_factory):
   """(run dir, train args): the uninterrupted 2-process run (launch/local.sh), the
-  reference of the preempted jobs, sized to train TRAIN_S[0] to TRAIN_S[1] s on this
-  machine (the first guess, rerun longer where this machine is faster); it also fills the
+  reference of the preempted jobs, sized to train at least TRAIN_S[0] s on this machine
+  (the first guess, rerun longer where this machine is faster); it also fills the
   compilation cache that their attempts start from."""
-  steps = LONG_STEPS
+  steps, seen = LONG_STEPS, [(0, 0)]
   for _ in range(3):
     d = str(tmp_path_factory.mktemp("long") / "local")
     secs = trained_seconds(train_2proc(d, *long_args(steps), devices=1))
     if secs >= TRAIN_S[0]:
       return d, long_args(steps)
-    steps = steps * sum(TRAIN_S) // 2 // max(secs, 1)
-  raise AssertionError(f"{steps} steps still trained in {secs} s < {TRAIN_S[0]} s")
+    # Steps a second from the last two runs, so that start-up and compile time cancel
+    # (from the first run alone they count as training, which undershoots).
+    seen.append((steps, secs))
+    (s0, t0), (s1, t1) = seen[-2:]
+    steps = s1 + int((s1 - s0) / max(t1 - t0, 1) * (TRAIN_S[1] - t1))
+  raise AssertionError(f"{seen[-1][0]} steps still trained in {seen[-1][1]} s < {TRAIN_S[0]} s")
 
 
 def test_preempted_requeued_resumes_bitwise(long_ref, tmp_path):

@@ -28,6 +28,14 @@ _JAX_CACHE = _run_directory("JAX_COMPILATION_CACHE_DIR", "mars_jax_jax_cache.")
 os.environ.setdefault("MARS_JAX_COMPILATION_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# XLA's CPU backend without LLVM's optimisation passes: the tests' programs are small and
+# compiled once or twice each, so compiling is most of their time, and unoptimised code
+# computes the same operations (every comparison here is between programs built alike,
+# or against a tolerance). Workers and CLI subprocesses inherit it; a test that sets its
+# own XLA_FLAGS for a subprocess compiles that one at the default level.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

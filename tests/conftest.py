@@ -28,17 +28,22 @@ _JAX_CACHE = _run_directory("JAX_COMPILATION_CACHE_DIR", "mars_jax_jax_cache.")
 os.environ.setdefault("MARS_JAX_COMPILATION_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# XLA's CPU backend without LLVM's optimisation passes: the tests' programs are small and
-# compiled once or twice each, so compiling is most of their time, and unoptimised code
-# computes the same operations (every comparison here is between programs built alike,
-# or against a tolerance). Workers and CLI subprocesses inherit it; a test that sets its
-# own XLA_FLAGS for a subprocess compiles that one at the default level.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+  """The default selection (which leaves out `e2e`) compiles for the CPU without LLVM's
+  optimisation passes: its programs are small and run a few times each, so compiling
+  is most of their time, and each of its comparisons is between programs built alike
+  or against a tolerance that the unoptimised code meets. Workers and CLI subprocesses
+  inherit the flag. A run that selects the end-to-end tests compiles as users' runs
+  do: they compare separately compiled multi-process and one-process runs to 1e-5."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if (os.environ["JAX_PLATFORMS"] == "cpu" and "not e2e" in (config.getoption("markexpr") or "")
+      and "--xla_backend_optimization_level" not in flags):
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 
 def pytest_unconfigure(config):  # pylint: disable=unused-argument

@@ -30,7 +30,7 @@ import pytest
 from qwen_tokenizers import make_qwen_checkpoint
 import user_path_fixtures as fx
 
-from mars_jax.benchmarks.serve_load import free_port
+from mars_jax.benchmarks.serve_procs import free_port
 
 # The server in its own processes, driven by real clients: `-m e2e`.
 pytestmark = pytest.mark.e2e

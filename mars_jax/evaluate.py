@@ -1,6 +1,6 @@
 """`python -m mars_jax.evaluate`: exact-match accuracy and tokens per forward.
 
-Greedy decoding through `mars_jax.sampling` on GSM8K-format problems (the
+Greedy decoding through `mars_jax.decoding.sampler` on GSM8K-format problems (the
 synthetic test split, or a local JSONL of {"question", "answer"} with `#### N`),
 for every (gate, window, tau) asked; prints a table and writes JSON and a Pareto
 plot (accuracy vs tokens per forward). --temperature > 0 (with --top-k, --top-p,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from mars_jax import cli
+from mars_jax.core import cli
 from mars_jax.data import synthetic
 from mars_jax.evaluation.evaluate import (describe_settings, format_table, load_problems,
                                           pareto_plot, run, score, sweep, synthetic_settings,

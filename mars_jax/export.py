@@ -26,8 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from mars_jax import cli, hf, loading
-from mars_jax.training import checkpoint, peft_adapter
+from mars_jax.core import cli
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import loading
+from mars_jax.checkpoints import runs
+from mars_jax.checkpoints import peft as peft_adapter
 from mars_jax.data import synthetic
 
 
@@ -64,17 +67,17 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
   Raises `hf.ExportTargetError` before loading anything when `out` is not a
   directory an export may go to (see `check_out`, `hf.check_export_target`), and
   ValueError when `adapter` is asked of a run without adapters."""
-  run_dir, step = checkpoint.resolve_checkpoint(checkpoint_path)
-  layout = checkpoint.read_layout(run_dir)
+  run_dir, step = runs.resolve_checkpoint(checkpoint_path)
+  layout = runs.read_layout(run_dir)
   check_out(out, run_dir, layout.get("init"))
   hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
-  if adapter and checkpoint.config_from_layout(layout)[1].lora is None:
+  if adapter and runs.config_from_layout(layout)[1].lora is None:
     raise ValueError(f"{run_dir}: --adapter needs a LoRA run (train with "
                      "--config.lora.rank=R); this run fine-tuned every weight, export it "
                      "without --adapter.")
-  config, runtime, params = checkpoint.load_params(checkpoint_path,
+  config, runtime, params = runs.load_params(checkpoint_path,
                                                    merge_adapters=not adapter)
-  tok_dir = checkpoint.tokenizer_dir(run_dir)
+  tok_dir = runs.tokenizer_dir(run_dir)
   tokenizer = None
   if os.path.isdir(tok_dir):
     tokenizer, _ = hf.load_tokenizer(tok_dir, config.vocab_size)

@@ -35,9 +35,9 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mars_jax import cli
-from mars_jax.training.study import run_study
-from mars_jax.training.study_report import write_report
+from mars_jax.core import cli
+from mars_jax.experiments.study import run_study
+from mars_jax.experiments.study_report import write_report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "study config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "study directory")

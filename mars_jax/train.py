@@ -1,7 +1,7 @@
 """`python -m mars_jax.train --config configs/X.py [--config.a.b=value ...] --workdir DIR`.
 
-Starts the distributed runtime (mars_jax.distributed), checks that every process
-has the same config, and runs the experiment (mars_jax.training.experiment: stage 1, main
+Starts the distributed runtime (mars_jax.parallel.distributed), checks that every process
+has the same config, and runs the experiment (mars_jax.experiments.stages: stage 1, main
 stage, final evaluation, export). Fields: see mars_jax/training/config.py.
 
 A config or data error (a bad value, a missing file, bad records under
@@ -24,8 +24,10 @@ from absl import logging as absl_logging
 import jax
 from ml_collections import config_flags
 
-from mars_jax import cli, distributed
-from mars_jax.training import experiment, loop as trainer
+from mars_jax.core import cli
+from mars_jax.parallel import distributed
+from mars_jax.training import loop as trainer
+from mars_jax.experiments import stages as experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from mars_jax import hf
+from mars_jax.checkpoints import hf
 from mars_jax.data import synthetic
 from mars_jax.data.chat import format_chats, pad_example
 from mars_jax.data.pipeline import default_config, load_data

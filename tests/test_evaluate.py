@@ -49,7 +49,7 @@ def test_score_counts_exact_matches():
   sampled (temperature 1), the same outputs for the same seed, others for another."""
   import jax
   from mars_jax.data import build_char_tokenizer, model_vocab_size
-  from mars_jax.loading import LoadedModel
+  from mars_jax.decoding.loading import LoadedModel
   from mars_jax.models import qwen2
   tok = build_char_tokenizer()
   config = qwen2.preset("qwen2.5-0.5b", vocab_size=model_vocab_size(tok), hidden_size=32,

@@ -7,8 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from mars_jax import export, hf, loading
+from mars_jax import export
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import loading
 from mars_jax.training import checkpoint
+from mars_jax.checkpoints import runs
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, init_params
 
 CONFIG = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -27,7 +30,7 @@ def params():
 def run(tmp_path_factory, params):
   """A real run directory with one checkpoint (step 1) of the tiny model."""
   d = str(tmp_path_factory.mktemp("run") / "run")
-  checkpoint.write_layout(d, {**checkpoint.model_layout(CONFIG, Runtime()),
+  runs.write_layout(d, {**runs.model_layout(CONFIG, Runtime()),
                               "objective": OBJECTIVE})
   ck = checkpoint.RunCheckpointer(d, async_save=False)
   ck.save(1, params, {"count": np.zeros((), np.int32)}, {"epoch": 0}, force=True)
@@ -169,7 +172,7 @@ def test_cli_export_then_overwrite(run, tmp_path, capsys):
   assert marker["source"]["step"] == 1 and marker["source"]["objective"] == OBJECTIVE
   assert loading.trained_block_size(out) == loading.trained_block_size(run) == 3
   _, params = hf.load_pretrained(out)
-  _, _, ref = checkpoint.load_params(run)
+  _, _, ref = runs.load_params(run)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(ref))
   capsys.readouterr()
   with pytest.raises(SystemExit) as e:

@@ -14,8 +14,9 @@ import pytest
 
 import user_path_fixtures as fx
 
-from mars_jax import generate, sampling
-from mars_jax.loading import chat_prompt_ids, load_model
+from mars_jax import generate
+from mars_jax.decoding import sampler as sampling
+from mars_jax.decoding.loading import chat_prompt_ids, load_model
 
 CONTEXT = 64
 HEADER = re.compile(r"^=== \[(\d+)\] (\d+) tokens, (\d+) forwards, [0-9.]+ tokens/forward, "

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from mars_jax import hf
+from mars_jax.checkpoints import hf
 from mars_jax.models import qwen2
 
 

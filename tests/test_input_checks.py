@@ -11,8 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from mars_jax import evaluate, loading, sampling, serve
-from mars_jax.training import checkpoint, masks, objective
+from mars_jax import evaluate, serve
+from mars_jax.decoding import loading, sampler as sampling
+from mars_jax.training import masks, objective
+from mars_jax.checkpoints import runs
 from mars_jax.decoding import batching, gates
 from mars_jax.models.qwen2 import Qwen2Config, Runtime, init_params
 
@@ -82,7 +84,7 @@ def test_window_above_block_plus_one_warns(tmp_path, caplog):
   run = _run_dir(tmp_path, "mars", 4)
   assert loading.trained_block_size(run) == 4
   assert loading.trained_block_size(run + "/checkpoints/7") == 4
-  with caplog.at_level(logging.WARNING, logger="mars_jax.loading"):
+  with caplog.at_level(logging.WARNING, logger="mars_jax.decoding.loading"):
     loading.warn_untrained_windows(run, [1, 4, 5])
     assert not caplog.records
     loading.warn_untrained_windows(run, [1, 6, 8])
@@ -97,7 +99,7 @@ def test_window_check_skips_models_without_a_record(tmp_path, caplog):
   hf_dir = tmp_path / "hf"
   hf_dir.mkdir()
   (hf_dir / "config.json").write_text("{}")  # an HF directory without a mars_jax marker
-  with caplog.at_level(logging.WARNING, logger="mars_jax.loading"):
+  with caplog.at_level(logging.WARNING, logger="mars_jax.decoding.loading"):
     for path in (ar, str(hf_dir), str(tmp_path / "missing")):
       assert loading.trained_block_size(path) is None
       loading.warn_untrained_windows(path, [16])
@@ -196,14 +198,14 @@ def test_a_run_in_stages_reads_its_last_stage(tmp_path, capsys):
     (top / stage / "checkpoints" / "3").mkdir(parents=True)
     (top / stage / "checkpoints" / "3" / "keep.txt").write_text("step 3")
     (top / stage / "layout.json").write_text("{}")
-  assert checkpoint.resolve_checkpoint(str(top)) == (str(top / "stage2"), 3)
+  assert runs.resolve_checkpoint(str(top)) == (str(top / "stage2"), 3)
   assert loading.model_path(str(top)) == str(top / "stage2")
   assert capsys.readouterr().err == (f"{top}: a run in stages; reading its last stage, "
                                      f"{top}/stage2\n")
   assert loading.model_path(str(top / "stage1")) == str(top / "stage1")
   assert not capsys.readouterr().err
   with pytest.raises(FileNotFoundError, match=r"^runs/tiny/hff: no such directory\.$"):
-    checkpoint.resolve_checkpoint("runs/tiny/hff")
+    runs.resolve_checkpoint("runs/tiny/hff")
 
 
 @pytest.mark.parametrize("module,args,says", [

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from mars_jax.distributed import plan_from_env
+from mars_jax.parallel.distributed import plan_from_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

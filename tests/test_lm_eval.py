@@ -27,7 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from mars_jax import lm_eval as lm_eval_cli
 from mars_jax.evaluation import lm_eval as mle
-from mars_jax.loading import chat_prompt_ids
+from mars_jax.decoding.loading import chat_prompt_ids
 
 GEN, MC = "synthetic_arith", "synthetic_arith_mc"
 

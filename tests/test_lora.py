@@ -18,8 +18,12 @@ from test_multiprocess import train_2proc
 from test_train import assert_bitwise, kill_after_a_checkpoint, losses, params_of, train
 from test_user_path import ROOT, cli
 
-from mars_jax import hf, sharding
-from mars_jax.training import checkpoint, lora, objective, peft_adapter
+from mars_jax.checkpoints import hf
+from mars_jax.parallel import sharding
+from mars_jax.training import objective
+from mars_jax.checkpoints import runs
+from mars_jax.models import lora
+from mars_jax.checkpoints import peft as peft_adapter
 from mars_jax.training import step as ts
 from mars_jax.models import qwen2
 from mars_jax.models.config import LoraSpec
@@ -263,7 +267,7 @@ def test_the_run_trains_adapters_and_exports_both_ways(lora_run):
   with open(os.path.join(p["run"], "layout.json")) as f:
     spec = json.load(f)["runtime"]["lora"]
   assert spec["rank"] == 4 and spec["mask_token_id"] is not None
-  config, rt, params = checkpoint.load_params(p["run"], runtime=qwen2.Runtime(),
+  config, rt, params = runs.load_params(p["run"], runtime=qwen2.Runtime(),
                                               merge_adapters=False)
   assert rt.lora == LoraSpec(**spec)
   _, base = hf.load_pretrained(p["hf"])
@@ -333,7 +337,7 @@ def test_adapter_export_of_a_full_run_is_refused(tmp_path):
 
 
 def _unmerged(run_dir):
-  _, _, params = checkpoint.load_params(run_dir, merge_adapters=False)
+  _, _, params = runs.load_params(run_dir, merge_adapters=False)
   return jax.tree.map(np.asarray, params)
 
 
@@ -366,7 +370,7 @@ def test_two_processes_equal_one(tmp_path):
 
 def test_study_lora_variants_train_mars_b4_through_adapters():
   from test_configs import load
-  from mars_jax.training import study
+  from mars_jax.experiments import study
   cfg = load(os.path.join(ROOT, "configs", "study.py"))
   c = study.variant_config(cfg, "lora_r32_frozen_mask", "runs/parent")
   assert (c.lora.rank, c.lora.alpha, c.lora.train_mask_row) == (32, 64.0, False)

@@ -86,8 +86,8 @@ def test_export_of_two_process_checkpoint(two_proc, tmp_path):
       "Qwen2ForCausalLM"]
   ids = tok("Ann has 3 apples. #### 7", return_tensors="pt").input_ids
   from mars_jax.models import qwen2
-  from mars_jax.training import checkpoint
-  config, runtime, params = checkpoint.load_params(two_proc)   # in the run's layer layout
+  from mars_jax.checkpoints import runs
+  config, runtime, params = runs.load_params(two_proc)   # in the run's layer layout
   t = ids.shape[1]
   ours = qwen2.forward(config, params, ids.numpy().astype(np.int32),
                        np.arange(t, dtype=np.int32)[None], np.tril(np.ones((1, t, t), bool)),

@@ -60,11 +60,11 @@ def installed(tmp_path_factory):
 def test_installed_copy_imports_from_another_directory(installed, tmp_path):
   code = """
 import importlib.resources, json, sys
-import mars_jax, mars_jax.data, mars_jax.hf, mars_jax.training.config
+import mars_jax, mars_jax.data, mars_jax.checkpoints.hf, mars_jax.training.config
 tasks = importlib.resources.files("mars_jax.evaluation") / "lm_eval_tasks"
 print(json.dumps({
     "mars_jax": mars_jax.__file__,
-    "submodules": [m.__file__ for m in (mars_jax.data, mars_jax.hf, mars_jax.training.config)],
+    "submodules": [m.__file__ for m in (mars_jax.data, mars_jax.checkpoints.hf, mars_jax.training.config)],
     "tasks": str(tasks),
 }))
 """

@@ -36,9 +36,9 @@ def wait_for_logged_step(run_dir, procs):
 def assert_saved_at(run_dir, nproc):
   """-> the one checkpoint step, finalised, with every process's data state; the
   metrics stop there."""
-  from mars_jax.training import checkpoint
+  from mars_jax.checkpoints import runs
   ckpts = os.listdir(os.path.join(run_dir, "checkpoints"))
-  step = checkpoint.resolve_checkpoint(run_dir)[1]
+  step = runs.resolve_checkpoint(run_dir)[1]
   assert ckpts == [str(step)], ckpts   # no orbax tmp directory left
   assert 0 < step < 40
   assert sorted(os.listdir(os.path.join(run_dir, "data_state", str(step)))) == [

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from mars_jax import hf
+from mars_jax.checkpoints import hf
 from mars_jax.models import attention, cached, qwen2
 
 TOL = 1e-4

@@ -18,8 +18,9 @@ import pytest
 import torch
 import transformers
 
-from mars_jax import hf, sampling
-from mars_jax.training import checkpoint
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import sampler as sampling
+from mars_jax.checkpoints import runs
 from mars_jax.data import build_char_tokenizer, model_vocab_size
 from mars_jax.models import qwen2
 
@@ -80,7 +81,7 @@ def test_train_cli_export_reloads_in_transformers(hf_tiny, tmp_path):
   assert [row["step"] for row in rows] == [1, 2]
   assert all(np.isfinite(row["ce_mask"]) and np.isfinite(row["ce_ar"]) for row in rows)
 
-  config, _, params = checkpoint.load_params(work)
+  config, _, params = runs.load_params(work)
   _, start = hf.load_pretrained(init)
   assert config.model_type == "qwen3" and config.head_dim == 24
   assert not np.allclose(np.asarray(params["layers"]["attn"]["q_norm"]["scale"]),

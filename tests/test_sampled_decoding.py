@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from test_sampling import MASK_ID, full_logits, model  # noqa: F401  (the fixture)
 
-from mars_jax import sampling, serve
+from mars_jax import serve
+from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import draws, gates, stops
 from mars_jax.decoding.window_policy import FixedWindow
 
@@ -312,7 +313,7 @@ def qwen_model(tmp_path_factory):
   """A tiny random Qwen2 with the real Qwen2.5 vocabulary and tokenizer."""
   from qwen_tokenizers import make_qwen_checkpoint
 
-  from mars_jax import loading
+  from mars_jax.decoding import loading
   path = make_qwen_checkpoint(tmp_path_factory.mktemp("qwen") / "hf", "qwen2.5")
   return loading.load_model(path)
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mars_jax import hf, sampling
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import loop
 from mars_jax.models import cached, qwen2
 

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mars_jax import hf, sampling, serve
+from mars_jax import serve
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import gates
 from mars_jax.decoding import loop
 from mars_jax.benchmarks import toy

@@ -19,7 +19,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mars_jax import sampling, serve, sharding
+from mars_jax import serve
+from mars_jax.decoding import sampler as sampling
+from mars_jax.parallel import sharding
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.models import qwen2
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mars_jax import sharding
+from mars_jax.parallel import sharding
 from mars_jax.training import objective, optimizer, step as train_step
 from mars_jax.models import qwen2
 

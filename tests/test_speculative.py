@@ -15,7 +15,9 @@ from test_sampled_decoding import SAMPLES, first_tokens, two_sample_chi2
 from test_sampling import MASK_ID, PROMPTS, model  # noqa: F401  (the fixture)
 from test_sampling_ext import toy_prompts, trained  # noqa: F401  (the fixture)
 
-from mars_jax import hf, sampling, serve
+from mars_jax import serve
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import speculative
 
 EOS = [2, 9]

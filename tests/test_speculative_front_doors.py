@@ -11,9 +11,10 @@ import pytest
 from qwen_tokenizers import make_qwen_checkpoint
 from test_http_server import NAME, Live, chat, complete
 
-from mars_jax import generate, sampling
+from mars_jax import generate
+from mars_jax.decoding import sampler as sampling
 from mars_jax.serve import __main__ as serve_cli
-from mars_jax.loading import chat_prompt_ids, load_model
+from mars_jax.decoding.loading import chat_prompt_ids, load_model
 
 # The CLIs and the HTTP server with a drafter, as users run them: `-m e2e`.
 pytestmark = pytest.mark.e2e

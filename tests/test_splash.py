@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mars_jax import sharding
+from mars_jax.parallel import sharding
 from mars_jax.training import masks, objective, optimizer, step as train_step
 from mars_jax.models import attention, qwen2, splash
 

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from mars_jax.data import task_settings
-from mars_jax.training import study, study_report
+from mars_jax.experiments import study, study_report
 from test_configs import ROOT, load
 
 

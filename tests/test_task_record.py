@@ -144,7 +144,7 @@ def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, ca
   test fraction 0.2) writes task.json into its run dir and HF export; the final eval,
   `export` and the evaluate CLI on the export all draw the same test problems."""
   from mars_jax import export
-  from mars_jax.training import experiment
+  from mars_jax.experiments import stages as experiment
   cfg = _config("tiny")
   cfg.model.overrides.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1))
@@ -190,7 +190,7 @@ def test_a_run_records_its_task_and_is_evaluated_on_it(tmp_path, monkeypatch, ca
 def test_study_report_names_the_settings(tmp_path):
   """The study report states the held-out split's settings and names a run evaluated on
   other ones (a reused parent whose task.json differs from the study's data)."""
-  from mars_jax.training import study, study_report
+  from mars_jax.experiments import study, study_report
   cfg = _config("study")
   own = study.split_settings(task_settings(cfg.data))
   row = {"metric": "probability", "window": 4, "tau": 1.0, "accuracy": 0.5,

@@ -44,9 +44,9 @@ def losses(run_dir):
 
 
 def params_of(run_dir):
-  from mars_jax.training import checkpoint
+  from mars_jax.checkpoints import runs
   import jax
-  _, _, params = checkpoint.load_params(run_dir)
+  _, _, params = runs.load_params(run_dir)
   return jax.tree.map(np.asarray, params)
 
 
@@ -110,8 +110,8 @@ def kill_after_a_checkpoint(run_dir, *extra, steps=6, at_least=2) -> int:
   assert proc.poll() is None, "the run finished before it could be killed"
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  from mars_jax.training import checkpoint
-  _, killed_at = checkpoint.resolve_checkpoint(run_dir)
+  from mars_jax.checkpoints import runs
+  _, killed_at = runs.resolve_checkpoint(run_dir)
   assert at_least <= killed_at < steps
   return killed_at
 
@@ -167,8 +167,8 @@ def test_file_source_trains_with_or_without_held_out_slice(tmp_path, num_eval):
     assert not notice and all(np.isfinite(row["eval_loss"]) for row in rows)
   else:
     assert notice and not any("eval_loss" in row for row in rows)
-  from mars_jax.training import checkpoint
-  assert checkpoint.resolve_checkpoint(d)[1] == 3
+  from mars_jax.checkpoints import runs
+  assert runs.resolve_checkpoint(d)[1] == 3
 
 
 @pytest.mark.e2e  # the train CLI in a subprocess
@@ -218,9 +218,9 @@ def test_tiny_two_stage_end_to_end(tmp_path):
   tok = transformers.AutoTokenizer.from_pretrained(os.path.join(d, "hf"))
   assert tok.convert_tokens_to_ids("<|mask|>") == 3
   ids = tok("1+2=3", return_tensors="pt").input_ids
-  from mars_jax import hf
-  from mars_jax.training import checkpoint
-  config, _, params = checkpoint.load_params(os.path.join(d, "stage2"))
+  from mars_jax.checkpoints import hf
+  from mars_jax.checkpoints import runs
+  config, _, params = runs.load_params(os.path.join(d, "stage2"))
   import jax.numpy as jnp
   from mars_jax.models import qwen2
   t = ids.shape[1]

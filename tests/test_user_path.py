@@ -115,8 +115,8 @@ def test_export_matches_transformers_and_knows_the_mask_token(user):
   import jax.numpy as jnp
   import torch
   import transformers
-  from mars_jax import hf
-  from mars_jax.training import checkpoint
+  from mars_jax.checkpoints import hf
+  from mars_jax.checkpoints import runs
   from mars_jax.models import qwen2
 
   tok = transformers.AutoTokenizer.from_pretrained(user["out"])
@@ -127,7 +127,7 @@ def test_export_matches_transformers_and_knows_the_mask_token(user):
                                                             dtype=torch.float32).eval()
   assert mask_id == len(base) == 151665 < model.config.vocab_size
   config, params = hf.load_pretrained(user["out"])
-  *_, trained = checkpoint.load_params(user["mars"])     # the run's last step, float32
+  *_, trained = runs.load_params(user["mars"])     # the run's last step, float32
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(trained), jax.device_get(params))
   rng = np.random.default_rng(0)
   prompt = tok.apply_chat_template([{"role": "user", "content": user["question"]}],
@@ -177,7 +177,7 @@ def test_evaluate_cli_on_the_export(user):
 
 
 def test_export_is_readable_by_others_and_keeps_the_generation_config(user):
-  from mars_jax import hf
+  from mars_jax.checkpoints import hf
   assert os.stat(user["out"]).st_mode & 0o777 == 0o777 & ~_umask()
   for name in os.listdir(user["out"]):
     assert os.stat(os.path.join(user["out"], name)).st_mode & 0o777 == 0o666 & ~_umask()

@@ -87,7 +87,7 @@ def test_training_skips_and_lists_each_bad_record(qwen3_user):
 
 def test_export_keeps_qwen3s_template_and_puts_the_mask_above_its_tokens(qwen3_user):
   import transformers
-  from mars_jax import hf
+  from mars_jax.checkpoints import hf
   tok = transformers.AutoTokenizer.from_pretrained(qwen3_user["out"])
   base = transformers.AutoTokenizer.from_pretrained(qwen3_user["hf"])
   assert tok.chat_template == base.chat_template == qt.QWEN3_TEMPLATE

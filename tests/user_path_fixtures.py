@@ -9,7 +9,7 @@ The tokenizer is what `tokenizers` trains (Qwen2's split regex then the ByteLeve
 pre-tokenizer, the ByteLevel decoder, a BpeTrainer over the task's text), wrapped in
 `transformers.PreTrainedTokenizerFast` with Qwen2.5's ChatML template (no default
 system prompt), eos `<|im_end|>` and pad `<|endoftext|>`. The model has a few spare
-embedding rows past the tokenizer, so `<|mask|>` (added by mars_jax.hf.load_tokenizer)
+embedding rows past the tokenizer, so `<|mask|>` (added by mars_jax.checkpoints.hf.load_tokenizer)
 fits, and its eos_token_id is `<|im_end|>`'s.
 """
 

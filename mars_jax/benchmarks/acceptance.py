@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import sampling
+from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import draws
 from mars_jax.models import qwen2
 

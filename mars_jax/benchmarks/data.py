@@ -29,7 +29,7 @@ a warm start of a new process from that cache, then the directory is removed:
              --config.data.max_length=2048 --config.data.cache_dir=CACHE --workers W
          (its one summary line gives the records kept and the tokens)
          warm: what training does at start: configs/tiny.py's config with those
-             overrides, `experiment.data_tokenizer(cfg)`, `load_data(cfg.data, tok)`
+             overrides, `run_tokenizer.data_tokenizer(cfg)`, `load_data(cfg.data, tok)`
              (which reads the cache), `next(data.train_iterator(batch_size=32, ...))`
   peer   cold: `Dataset.from_json(CHATS, cache_dir=CACHE)` (HF_DATASETS_CACHE=CACHE
              too), then `.map(fn, num_proc=W)`, fn = `tokenizer.apply_chat_template(
@@ -314,11 +314,12 @@ def child_ours_warm(a) -> dict:
   start = _started()
   # pylint: disable=import-outside-toplevel,unused-import
   from transformers import AutoTokenizer  # noqa: F401  (as the peer's: transformers imports
-  from mars_jax.training import experiment  # its tokenizer modules lazily, at first use)
-  from mars_jax.data import load_data
+  from mars_jax.experiments import stages  # noqa: F401  its tokenizer modules lazily, at
+  from mars_jax.data import load_data       # first use; training imports `stages`)
+  from mars_jax.data.run_tokenizer import data_tokenizer
   import_s = time.time() - start
   cfg = _tiny_config(a.model, a.chats_file, a.cache)
-  tok = experiment.data_tokenizer(cfg)
+  tok = data_tokenizer(cfg)
   tokenizer_s = time.time() - start
   rss0 = _rss()
   data = load_data(cfg.data, tok)

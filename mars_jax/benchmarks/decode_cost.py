@@ -26,13 +26,14 @@ import re
 import jax
 import numpy as np
 
-from mars_jax import choices, loading
+from mars_jax.core import choices
+from mars_jax.decoding import loading
 from mars_jax.benchmarks import toy
 from mars_jax.benchmarks.roofline import (forward_bytes, forward_flops, matmul_rate,
                                           memory_bandwidth)
 from mars_jax.decoding import batching, loop, timing
 from mars_jax.benchmarks.sample import SHAPES
-from mars_jax.choices import Mode
+from mars_jax.core.choices import Mode
 from mars_jax.models import attention, qwen2
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4, "s8": 1, "u8": 1}

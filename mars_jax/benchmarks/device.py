@@ -45,11 +45,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import choices, hardware, sharding
+from mars_jax.core import choices
+from mars_jax.parallel import hardware, sharding
 from mars_jax.training import objective, optimizer
 from mars_jax.benchmarks import sample, step, toy
 from mars_jax.benchmarks.roofline import forward_bytes
-from mars_jax.choices import AttentionImpl, Remat
+from mars_jax.core.choices import AttentionImpl, Remat
 from mars_jax.decoding import batching, timing
 from mars_jax.models import qwen2
 from mars_jax.models.config import Qwen2Config

@@ -51,11 +51,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from mars_jax import choices, hf, loading, sampling
+from mars_jax.core import choices
+from mars_jax.checkpoints import hf
+from mars_jax.decoding import loading, sampler as sampling
 from mars_jax.evaluation import evaluate
 from mars_jax.benchmarks import acceptance, roofline, toy
 from mars_jax.decoding import gates
-from mars_jax.choices import Mode
+from mars_jax.core.choices import Mode
 from mars_jax.models import qwen2
 from mars_jax.models.config import PRESETS, Qwen2Config
 from mars_jax.decoding.window_policy import CostTable, WindowPolicy

@@ -358,7 +358,7 @@ def bench_in_process(model_dir: str, chats: list, points: list[int], args) -> di
   """{kind: {N: figures}} of our kinds in this process (see the module doc)."""
   # pylint: disable=import-outside-toplevel
   from mars_jax.decoding.window_policy import WindowPolicy
-  from mars_jax.loading import chat_prompt_ids, load_model
+  from mars_jax.decoding.loading import chat_prompt_ids, load_model
   from mars_jax.serve.engine import compilation_cache
   from mars_jax.serve.server import Server
   compilation_cache(None)  # our server's: the warmups below load what it compiled

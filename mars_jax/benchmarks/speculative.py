@@ -30,7 +30,7 @@ import platform
 import jax
 import numpy as np
 
-from mars_jax import loading, sampling
+from mars_jax.decoding import loading, sampler as sampling
 from mars_jax.evaluation import evaluate
 from mars_jax.benchmarks.sample import best_times
 from mars_jax.decoding import speculative

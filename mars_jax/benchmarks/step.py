@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import choices, sharding
+from mars_jax.core import choices
+from mars_jax.parallel import sharding
 from mars_jax.training import masks, objective, optimizer, step as train_step
-from mars_jax.choices import Kind, Remat
+from mars_jax.core.choices import Kind, Remat
 from mars_jax.models import qwen2
 
 MIB = 2 ** 20

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mars_jax import hf
+from mars_jax.checkpoints import hf
 from mars_jax.training import objective
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import Qwen2Config

@@ -27,9 +27,10 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from mars_jax import cli, distributed
-from mars_jax.training import experiment
+from mars_jax.core import cli
 from mars_jax.data import cache, pipeline
+from mars_jax.data.run_tokenizer import data_tokenizer
+from mars_jax.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
@@ -41,7 +42,7 @@ _LOG = logging.getLogger("mars_jax.data.prepare")
 def prepare(cfg, workers: int | None = None) -> str:
   """Builds or finds the cache of `cfg.data`; returns the one-line summary."""
   begin = time.perf_counter()
-  tokenizer = experiment.data_tokenizer(cfg)
+  tokenizer = data_tokenizer(cfg)
   report = cache.BuildReport()
   files = pipeline.prepare_cache(cfg.data, tokenizer, workers=workers, report=report)
   bad = sum(len(f.bad) + f.empty for f in files)

@@ -7,7 +7,7 @@ their ids never depend on the rest:
   id  0  <|endoftext|>   pad
   id  1  <|im_start|>
   id  2  <|im_end|>      eos (ends every chat turn)
-  id  3  <|mask|>        the MARS mask token (mars_jax.hf.MASK_TOKEN)
+  id  3  <|mask|>        the MARS mask token (mars_jax.checkpoints.hf.MASK_TOKEN)
   ids 4..259             bytes 0..255, in GPT-2's byte-to-unicode spelling ("Ġ" = space)
 
 It is a byte-level BPE without merges, with exactly the normalizer, pre-tokenizer
@@ -36,7 +36,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
 
-from mars_jax.hf import MASK_TOKEN
+from mars_jax.checkpoints.hf import MASK_TOKEN
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -16,9 +16,9 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from mars_jax import choices
+from mars_jax.core import choices
 from mars_jax.decoding import gates
-from mars_jax.choices import Metric, Mode
+from mars_jax.core.choices import Metric, Mode
 from mars_jax.decoding.loop import STOP_BUCKET, Controls, DecodeState
 from mars_jax.models.qwen2 import Qwen2Config
 

@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import choices
-from mars_jax.choices import Metric
+from mars_jax.core import choices
+from mars_jax.core.choices import Metric
 
 Array = jax.Array
 

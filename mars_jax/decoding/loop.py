@@ -92,8 +92,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mars_jax import sharding
-from mars_jax.choices import Mode
+from mars_jax.parallel import sharding
+from mars_jax.core.choices import Mode
 from mars_jax.decoding import draws, gates
 from mars_jax.models import cached, layers, qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime

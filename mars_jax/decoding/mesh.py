@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mars_jax import sharding
-from mars_jax.choices import Mode
+from mars_jax.parallel import sharding
+from mars_jax.core.choices import Mode
 from mars_jax.decoding import batching, loop
 from mars_jax.decoding.loop import DecodeState
 from mars_jax.models import qwen2

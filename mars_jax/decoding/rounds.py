@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mars_jax.choices import Mode
+from mars_jax.core.choices import Mode
 from mars_jax.decoding import batching, loop, timing
 from mars_jax.decoding.batching import Bucket, GenerateResult
 from mars_jax.decoding.loop import DecodeState

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mars_jax.choices import Mode
+from mars_jax.core.choices import Mode
 from mars_jax.decoding import batching, loop
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.decoding.window_policy import CostTable, Measure

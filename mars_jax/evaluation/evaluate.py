@@ -14,13 +14,13 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from mars_jax import sampling
-from mars_jax.choices import Metric
+from mars_jax.decoding import sampler as sampling
+from mars_jax.core.choices import Metric
 from mars_jax.data import synthetic
 from mars_jax.decoding import gates, mesh as decode_mesh
-from mars_jax.generate import budgets, check_sampling_flags, prompt_seeds
-from mars_jax.loading import (LoadedModel, chat_prompt_ids, load_model, model_path,
-                              warn_untrained_windows)
+from mars_jax.decoding.prompts import budgets, check_sampling_flags, prompt_seeds
+from mars_jax.decoding.loading import (LoadedModel, chat_prompt_ids, load_model, model_path,
+                                       warn_untrained_windows)
 
 
 def load_problems(task: str, num: int | None = None, *, seed: int = 0,

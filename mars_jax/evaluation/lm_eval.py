@@ -9,7 +9,7 @@ module (from Python, `import mars_jax.evaluation.lm_eval` then
 sweeps: those are mars_jax.evaluation.evaluate.
 
 Requests:
-  generate_until          `mars_jax.sampling.generate` (AR, MARS at tau, or lossless),
+  generate_until          `mars_jax.decoding.sampler.generate` (AR, MARS at tau, or lossless),
                           batched; greedy, or sampled when the request asks
                           (`do_sample`, `temperature`, `top_k`, `top_p`); decoding ends
                           at an EOS, at an `until` string (the text is cut before it)
@@ -58,14 +58,14 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from mars_jax import sampling
+from mars_jax.decoding import sampler as sampling
 from mars_jax.training import masks, objective
 from mars_jax.decoding import gates
-from mars_jax.choices import Metric, Mode
+from mars_jax.core.choices import Metric, Mode
 from mars_jax.decoding import batching
 from mars_jax.decoding import mesh as decode_mesh
-from mars_jax.generate import check_seed, prompt_seeds
-from mars_jax.loading import load_drafter, load_model, warn_untrained_windows
+from mars_jax.decoding.prompts import check_seed, prompt_seeds
+from mars_jax.decoding.loading import load_drafter, load_model, warn_untrained_windows
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mars_jax import choices
-from mars_jax.choices import AttentionImpl, Remat
+from mars_jax.core import choices
+from mars_jax.core.choices import AttentionImpl, Remat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -6,7 +6,7 @@
 Activations carry logical axis names (`activation_batch`, `activation_length`,
 `activation_embed`, `activation_heads`, `activation_kv_heads`, `activation_mlp`,
 `activation_vocab`; head_dim is never split), pinned with `constrain`: a no-op unless
-the model is traced under `mars_jax.sharding.activation_sharding`, which binds a mesh
+the model is traced under `mars_jax.parallel.sharding.activation_sharding`, which binds a mesh
 and the rules (unit tests, the sampler and decoding run without one):
 
   residual stream, final hidden   [b, t, embed]               EMBED_AXES

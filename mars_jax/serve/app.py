@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from mars_jax.loading import chat_prompt_ids
+from mars_jax.decoding.loading import chat_prompt_ids
 from mars_jax.serve import protocol
 from mars_jax.serve.engine import Accepted, Done, Engine, Error, Handle, Loaded, Tokens
 from mars_jax.serve.protocol import RequestError, Spec

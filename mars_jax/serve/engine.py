@@ -19,7 +19,7 @@ changes: the HTTP side sends the submits and cancels gathered since its last mes
 the engine answers with every request's new tokens and finishes of the round.
 
 The engine process (`run`):
-  1. loads the model and builds the `Server` (`build_server`), sends `Loaded` facts
+  1. loads the model and builds the `Server` (`build.build_server`), sends `Loaded` facts
      (the tokenizer among them);
   2. with warmup on, compiles every variant the rounds can meet (`Server.warmup`),
      through JAX's persistent compilation cache (`compilation_cache`), and sends
@@ -265,7 +265,7 @@ def run(conn: Connection, args) -> None:
                       format="%(asctime)s %(levelname)s engine: %(message)s", force=True)
   try:
     cache = compilation_cache(args.compilation_cache)
-    from mars_jax.serve.__main__ import build_server  # pylint: disable=import-outside-toplevel
+    from mars_jax.serve.build import build_server  # pylint: disable=import-outside-toplevel
     server, model = build_server(args)
     conn.send(Loaded(model.tokenizer, tuple(model.eos_token_ids),
                      min(server.max_len - server.extra_slots,

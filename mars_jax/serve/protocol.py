@@ -24,8 +24,8 @@ import time
 import uuid
 from typing import Any
 
-from mars_jax import choices
-from mars_jax.choices import Metric, Mode
+from mars_jax.core import choices
+from mars_jax.core.choices import Metric, Mode
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # what the OpenAI completions API defaults to
 SEED_RANGE = 1 << 32

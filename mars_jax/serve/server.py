@@ -75,8 +75,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mars_jax import choices
-from mars_jax.choices import Metric, Mode
+from mars_jax.core import choices
+from mars_jax.core.choices import Metric, Mode
 from mars_jax.decoding import batching, gates, loop, rounds, speculative, stops, timing
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
@@ -225,7 +225,7 @@ class Server:
 
   @classmethod
   def from_model(cls, model, **kwargs) -> "Server":
-    """A server over a `mars_jax.loading.LoadedModel` (its mask and EOS ids, tokenizer)."""
+    """A server over a `mars_jax.decoding.loading.LoadedModel` (its mask and EOS ids, tokenizer)."""
     return cls(model.config, model.params, mask_token_id=model.mask_token_id,
                eos_token_ids=model.eos_token_ids, runtime=model.runtime,
                **{"mesh": model.mesh, "tokenizer": model.tokenizer, **kwargs})

@@ -28,7 +28,7 @@ anything is compiled.
                     paper's fixed partition position // B
   optimizer.*       mars_jax.training.optimizer.OptimizerConfig (total_steps comes from train.steps)
   data.*            mars_jax.data.default_config()
-  mesh.*            mars_jax.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
+  mesh.*            mars_jax.parallel.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
   train.*           batch_size (global), micro_batches, steps (None: from data epochs),
                     seed, log_every, eval_every, eval_batches (0: no eval loss; a
                     file source without data.num_eval has none), checkpoint_every,
@@ -49,11 +49,11 @@ import dataclasses
 import ml_collections
 
 from mars_jax import data as data_lib
-from mars_jax.choices import Kind
+from mars_jax.core.choices import Kind
 from mars_jax.models import qwen2
 from mars_jax.training.objective import ObjectiveConfig
 from mars_jax.training.optimizer import OptimizerConfig
-from mars_jax.sharding import MeshConfig
+from mars_jax.parallel.sharding import MeshConfig
 
 placeholder = ml_collections.config_dict.placeholder
 

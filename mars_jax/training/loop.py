@@ -40,8 +40,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from mars_jax import hf, sharding
-from mars_jax.training import checkpoint, config as train_config, lora, objective as objective_lib
+from mars_jax.checkpoints import hf
+from mars_jax.parallel import sharding
+from mars_jax.training import checkpoint, config as train_config, objective as objective_lib
+from mars_jax.checkpoints import runs
+from mars_jax.models import lora
 from mars_jax.training import step as ts
 from mars_jax.data import load_data, synthetic, task_settings
 from mars_jax.models.qwen2 import Qwen2Config, Runtime
@@ -183,7 +186,7 @@ def _longest_target_blocks(source, block_size: int, length: int, offsets=(0,)) -
 
 def layout(cfg, model_config: Qwen2Config, runtime: Runtime) -> dict:
   init = cfg.model.init
-  return {**checkpoint.model_layout(model_config, runtime),
+  return {**runs.model_layout(model_config, runtime),
           "init": init if init == "random" else os.path.abspath(init),
           "objective": {k: cfg.objective[k] for k in
                         ("kind", "block_size", "ar_weight", "intra_block", "normalization")}}
@@ -260,12 +263,12 @@ def run_stage(cfg, run_dir: str, model_config: Qwen2Config, runtime: Runtime,
                                runtime=runtime, seed=cfg.train.seed)
   eval_step = ts.make_eval_step(model_config, typed.objective, mesh, runtime=runtime)
   batch_sharding = sharding.batch_sharding(mesh)
-  checkpoint.write_layout(run_dir, layout(cfg, model_config, runtime))
+  runs.write_layout(run_dir, layout(cfg, model_config, runtime))
   if pid == 0:   # the data the run trains on, for evaluation (see synthetic.TASK_FILE)
     synthetic.record_task_settings(run_dir, task_settings(cfg.data))
   multihost_utils.sync_global_devices("layout written")
   if pid == 0 and tokenizer is not None:
-    hf.save_tokenizer(tokenizer, checkpoint.tokenizer_dir(run_dir),
+    hf.save_tokenizer(tokenizer, runs.tokenizer_dir(run_dir),
                       generation_config=generation_config)
   ckpt = checkpoint.RunCheckpointer(run_dir, max_to_keep=cfg.train.max_to_keep,
                                     save_every=cfg.train.checkpoint_every,

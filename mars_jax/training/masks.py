@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mars_jax import choices
-from mars_jax.choices import IntraBlock
+from mars_jax.core import choices
+from mars_jax.core.choices import IntraBlock
 
 Array = jax.Array
 

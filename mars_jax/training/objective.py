@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mars_jax import choices
+from mars_jax.core import choices
 from mars_jax.training import masks
-from mars_jax.choices import IntraBlock, Kind, Normalization
+from mars_jax.core.choices import IntraBlock, Kind, Normalization
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 
@@ -90,7 +90,7 @@ class ObjectiveConfig:
       raise ValueError(f"objective.block_size={self.block_size}; must be >= 1.")
     if self.kind == "mars" and self.mask_token_id is None:
       raise ValueError("objective.mask_token_id is required for kind='mars' (the id of "
-                       "<|mask|>, see mars_jax.hf.load_tokenizer).")
+                       "<|mask|>, see mars_jax.checkpoints.hf.load_tokenizer).")
     if self.ar_weight < 0:
       raise ValueError(f"objective.ar_weight={self.ar_weight}; must be >= 0.")
     choices.check(IntraBlock, self.intra_block, "objective.intra_block")

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from mars_jax.training import lora, objective as objective_lib
-from mars_jax import sharding
+from mars_jax.training import objective as objective_lib
+from mars_jax.models import lora
+from mars_jax.parallel import sharding
 from mars_jax.models import qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 

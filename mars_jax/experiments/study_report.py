@@ -17,7 +17,7 @@ import os
 from typing import NamedTuple, Sequence
 
 from mars_jax.data import task_settings
-from mars_jax.training.study import UNROLLED_PARENT, split_settings
+from mars_jax.experiments.study import UNROLLED_PARENT, split_settings
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond, 1.96.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,

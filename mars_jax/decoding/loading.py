@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from mars_jax import hf
-from mars_jax.training import checkpoint
+from mars_jax.checkpoints import hf
+from mars_jax.checkpoints import runs
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding import speculative
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
@@ -77,12 +77,12 @@ def load_model(path: str, *, runtime: Runtime | None = None,
   else:
     shardings = None
     if mesh is not None:
-      stored_config, stored = checkpoint.config_from_layout(
-          checkpoint.read_layout(checkpoint.resolve_checkpoint(path)[0]))
+      stored_config, stored = runs.config_from_layout(
+          runs.read_layout(runs.resolve_checkpoint(path)[0]))
       shardings = decode_mesh.param_shardings(stored_config, mesh, stored)
-    config, runtime, params = checkpoint.load_params(path, runtime=runtime,
+    config, runtime, params = runs.load_params(path, runtime=runtime,
                                                      shardings=shardings)
-    tok_dir = checkpoint.tokenizer_dir(checkpoint.resolve_checkpoint(path)[0])
+    tok_dir = runs.tokenizer_dir(runs.resolve_checkpoint(path)[0])
     if not os.path.isdir(tok_dir):
       raise FileNotFoundError(f"{tok_dir}: the run saved no tokenizer; export it with a "
                               "tokenizer or pass an HF directory.")
@@ -95,9 +95,9 @@ def load_model(path: str, *, runtime: Runtime | None = None,
 
 def model_path(path: str) -> str:
   """A CLI's --model or --checkpoint -> the path to read: `path`, or the last stage of a
-  run in stages (`checkpoint.last_stage`), which it names on stderr. FileNotFoundError
+  run in stages (`runs.last_stage`), which it names on stderr. FileNotFoundError
   when nothing is at `path`."""
-  stage = checkpoint.last_stage(path)
+  stage = runs.last_stage(path)
   if stage != path:
     print(f"{path}: a run in stages; reading its last stage, {stage}", file=sys.stderr)
   return stage
@@ -117,7 +117,7 @@ def trained_block_size(path: str) -> int | None:
     if os.path.isfile(os.path.join(path, "config.json")):
       objective = (hf.read_export_marker(path) or {}).get("source", {}).get("objective")
     else:
-      objective = checkpoint.read_layout(checkpoint.resolve_checkpoint(path)[0]).get(
+      objective = runs.read_layout(runs.resolve_checkpoint(path)[0]).get(
           "objective")
   except (OSError, ValueError, AttributeError):
     return None

@@ -28,7 +28,7 @@ import os
 import jax
 import numpy as np
 
-from mars_jax import hf, safetensors_io as st
+from mars_jax.checkpoints import hf, safetensors_io as st
 from mars_jax.models.config import LORA_PROJECTIONS, LoraSpec, Qwen2Config
 from mars_jax.models.qwen2 import scan_layers_of
 

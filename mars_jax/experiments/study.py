@@ -25,9 +25,11 @@ import os
 import time
 
 from mars_jax.evaluation import evaluate
-from mars_jax.training import checkpoint, experiment, lora
+from mars_jax.checkpoints import runs
+from mars_jax.experiments import stages as experiment
+from mars_jax.models import lora
 from mars_jax.data import synthetic, task_settings
-from mars_jax.loading import load_model
+from mars_jax.decoding.loading import load_model
 
 _LOG = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ def run_seed(cfg, workdir: str, seed: int, parent_dir: str, names: list[str]) ->
 
 def _param_counts(run_dir: str) -> tuple[int, int]:
   """(trained, total) parameters of a run: its adapters and mask row under LoRA, else all."""
-  return lora.count(checkpoint.load_params(run_dir, merge_adapters=False)[2])
+  return lora.count(runs.load_params(run_dir, merge_adapters=False)[2])
 
 
 def split_settings(record: dict) -> dict:

@@ -21,18 +21,16 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from mars_jax import hf
-from mars_jax.evaluation import evaluate
-from mars_jax.training import checkpoint, config as train_config, lora, loop as trainer
+from mars_jax.checkpoints import hf, runs
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
+from mars_jax.data.run_tokenizer import config_ids
 from mars_jax.data.tokenizer import BUILDERS
-from mars_jax.loading import LoadedModel, eos_token_ids, load_model
+from mars_jax.decoding.loading import LoadedModel, eos_token_ids, load_model
+from mars_jax.evaluation import evaluate
+from mars_jax.models import lora
+from mars_jax.training import config as train_config, loop as trainer
 
 _LOG = logging.getLogger(__name__)
-
-
-def _config_ids(config) -> set[int]:
-  return {i for i in (config.bos_token_id, *config.eos_token_ids) if i is not None}
 
 
 def _model_and_tokenizer(cfg, runtime):
@@ -50,38 +48,15 @@ def _model_and_tokenizer(cfg, runtime):
       return config, None, tok, tok.convert_tokens_to_ids(hf.MASK_TOKEN)
     config = train_config.random_model_config(cfg)
     tok, mask_id = hf.load_tokenizer(cfg.tokenizer, config.vocab_size,
-                                     reserved_ids=_config_ids(config))
+                                     reserved_ids=config_ids(config))
     return config, None, tok, mask_id
   loaded = load_model(init, runtime=runtime)
   if cfg.tokenizer not in (None, *BUILDERS):  # an embedded name: the model's own tokenizer
     tok, mask_id = hf.load_tokenizer(
-        cfg.tokenizer, loaded.config.vocab_size, reserved_ids=_config_ids(loaded.config),
+        cfg.tokenizer, loaded.config.vocab_size, reserved_ids=config_ids(loaded.config),
         model_tokenizer=loaded.tokenizer, model_where=f"model.init={init}")
     return loaded.config, loaded.params, tok, mask_id
   return loaded.config, loaded.params, loaded.tokenizer, loaded.mask_token_id
-
-
-def data_tokenizer(cfg):
-  """The tokenizer a run of `cfg` tokenizes its data with (what `run` trains with,
-  `<|mask|>` added), without loading weights: `python -m mars_jax.data.prepare`."""
-  init = cfg.model.init
-  if init == "random":
-    if cfg.tokenizer in (None, *BUILDERS):
-      return build_tokenizer(cfg.tokenizer or "char")
-    config = train_config.random_model_config(cfg)
-    return hf.load_tokenizer(cfg.tokenizer, config.vocab_size,
-                             reserved_ids=_config_ids(config))[0]
-  if os.path.isfile(os.path.join(init, "config.json")):
-    config, tok_dir = hf.Qwen2Config.from_json_file(os.path.join(init, "config.json")), init
-  else:
-    run_dir = checkpoint.resolve_checkpoint(init)[0]
-    config = checkpoint.config_from_layout(checkpoint.read_layout(run_dir))[0]
-    tok_dir = checkpoint.tokenizer_dir(run_dir)
-  own = hf.load_tokenizer(tok_dir, config.vocab_size)[0]
-  if cfg.tokenizer in (None, *BUILDERS):
-    return own
-  return hf.load_tokenizer(cfg.tokenizer, config.vocab_size, reserved_ids=_config_ids(config),
-                           model_tokenizer=own, model_where=f"model.init={init}")[0]
 
 
 def source_generation_config(init: str) -> dict | None:
@@ -91,8 +66,8 @@ def source_generation_config(init: str) -> dict | None:
     return None
   if os.path.isfile(os.path.join(init, "config.json")):
     return hf.read_generation_config(init)
-  run_dir = checkpoint.resolve_checkpoint(init)[0]
-  return hf.read_generation_config(checkpoint.tokenizer_dir(run_dir))
+  run_dir = runs.resolve_checkpoint(init)[0]
+  return hf.read_generation_config(runs.tokenizer_dir(run_dir))
 
 
 def stage1_config(cfg):

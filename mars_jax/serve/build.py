@@ -1,0 +1,72 @@
+"""What the engine process serves, built from `python -m mars_jax.serve`'s parsed
+arguments: the model (an HF directory or a run, on one device or a mesh), its drafter,
+the windows and their policy, the context per row, and the `Server` over them; and the
+sampling defaults of the model's generation_config.json, which the HTTP process applies.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mars_jax.checkpoints import hf, runs
+from mars_jax.decoding import mesh as decode_mesh
+from mars_jax.decoding.loading import (load_drafter, load_model, trained_block_size,
+                                       trained_window, warn_untrained_windows)
+from mars_jax.decoding.window_policy import WindowPolicy
+from mars_jax.models.qwen2 import Runtime
+from mars_jax.serve.server import Server
+
+DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
+DEFAULT_WINDOWS = (1, 2, 3, 5)
+
+
+
+def default_windows(path: str) -> list[int]:
+  """1, 2, 3, 5, cut to B + 1 (and B + 1 added) for a MARS run of block size B."""
+  block = trained_block_size(path)
+  if block is None:
+    return list(DEFAULT_WINDOWS)
+  return sorted({w for w in DEFAULT_WINDOWS if w <= block + 1} | {block + 1})
+
+
+def generation_defaults(path: str) -> dict:
+  """temperature, top_p and top_k of the model's generation_config.json (an HF
+  directory's, or a run's tokenizer directory's); temperature 0 when it says
+  do_sample false; {} when it has none."""
+  where = path if os.path.isfile(os.path.join(path, "config.json")) else (
+      runs.tokenizer_dir(runs.resolve_checkpoint(path)[0]))
+  record = hf.read_generation_config(where) or {}
+  if record.get("do_sample") is False:
+    return {"temperature": 0.0}
+  return {k: record[k] for k in ("temperature", "top_p", "top_k") if record.get(k) is not None}
+
+
+def build_server(args):
+  """-> (Server, LoadedModel) for parsed arguments: what the engine process serves."""
+  windows = (sorted({int(w) for w in args.windows.split(",")}) if args.windows
+             else default_windows(args.model))
+  fixed = None if args.window == "auto" else int(args.window)
+  runtime = args.dtype and Runtime(param_dtype=args.dtype, dtype=args.dtype)
+  model = load_model(args.model, runtime=runtime, mesh=decode_mesh.mesh_from_flag(args.mesh))
+  drafter = None
+  if args.drafter is not None:
+    fixed = fixed or trained_window(args.model, args.draft_window + 1)
+    drafter = load_drafter(args.drafter, model, args.model, draft_window=args.draft_window,
+                           window=args.drafter_window, runtime=runtime)
+  largest = max([fixed] if fixed else windows)
+  max_window = largest if drafter else args.max_window or largest
+  extra = (args.draft_window + max(largest, drafter.window) if drafter
+           else max(largest, max_window)) - 1   # cache slots past prompt + completion
+  warn_untrained_windows(args.model, [max(largest, max_window)])
+  policy = fixed or WindowPolicy(
+      windows, costs=args.cost_table if args.cost_table and os.path.exists(args.cost_table)
+      else None, round_steps=args.round_steps)
+  context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+  server = Server.from_model(
+      model, batch_size=args.batch_size, min_batch_size=args.min_batch_size,
+      max_len=args.max_len or context + extra, window=policy,
+      mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
+      round_steps=args.round_steps, admit_steps=args.admit_steps, max_window=max_window,
+      drafter=drafter,
+      draft_window=args.draft_window)
+  return server, model

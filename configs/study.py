@@ -4,7 +4,7 @@
 
 The model, tokenizer and data are configs/tiny.py's, and so is the parent's run length;
 each child runs 300 steps (the run docs/results.md reports). `study` sets the seeds, the
-run lengths, the variants and the evaluation grid (see mars_jax/training/study.py). Every
+run lengths, the variants and the evaluation grid (see mars_jax/experiments/study.py). Every
 seed of `study.seeds` trains its own parent and variants (`--config.study.seeds=0,1,2,3,4`
 for five). With the defaults a parent is configs/tiny.py's stage 1 with the seed as
 train.seed and data.seed, so a study of seed 0 alone can reuse the default run's

@@ -24,14 +24,8 @@ import argparse
 
 from mars_jax.core import cli
 from mars_jax.data import synthetic
-from mars_jax.evaluation.evaluate import (describe_settings, format_table, load_problems,
-                                          pareto_plot, run, score, sweep, synthetic_settings,
-                                          task_record_dir)
-from mars_jax.generate import add_sampling_flags
-
-# The library's names, re-exported from here for one release.
-__all__ = ["describe_settings", "format_table", "load_problems", "main", "pareto_plot", "run",
-           "score", "sweep", "synthetic_settings", "task_record_dir"]
+from mars_jax.decoding.prompts import add_sampling_flags
+from mars_jax.evaluation.evaluate import run
 
 
 def _positive_int(s: str) -> int:

@@ -33,54 +33,17 @@ string); a `---` line sums up the run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from typing import Sequence
 
 from mars_jax import sampling
 from mars_jax.core import choices, cli
 from mars_jax.core.choices import Mode
 from mars_jax.decoding import gates, mesh as decode_mesh
-from mars_jax.decoding.loading import (chat_prompt_ids, load_drafter, load_model,
-                                       model_path, warn_untrained_windows)
-from mars_jax.decoding.prompts import budgets, check_sampling_flags, prompt_seeds
+from mars_jax.decoding.loading import (load_drafter, load_model, model_path,
+                                       warn_untrained_windows)
+from mars_jax.decoding.prompts import (add_sampling_flags, budgets, check_sampling_flags,
+                                       encode, prompt_seeds, read_prompts)
 from mars_jax.models.qwen2 import Runtime
-
-
-def read_prompts(path: str) -> list[list[dict]]:
-  """JSONL of {"prompt"} or {"messages"} -> chats (trailing assistant turn dropped)."""
-  chats = []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      record = json.loads(line)
-      if "messages" in record:
-        messages = list(record["messages"])
-        if messages and messages[-1]["role"] == "assistant":
-          messages.pop()
-      elif "prompt" in record:
-        messages = [{"role": "user", "content": record["prompt"]}]
-      else:
-        raise ValueError(f"{path}:{n}: expected a 'prompt' or 'messages' key.")
-      chats.append(messages)
-  return chats
-
-
-def encode(tokenizer, chats: Sequence[list[dict]], *, raw: bool) -> list[list[int]]:
-  if raw:
-    return [tokenizer.encode("".join(m["content"] for m in c), add_special_tokens=False)
-            for c in chats]
-  return [chat_prompt_ids(tokenizer, c) for c in chats]
-
-
-def add_sampling_flags(p: argparse.ArgumentParser, seed_flag: str, seed_help: str) -> None:
-  """--temperature, --top-k, --top-p and the sampling seed flag (named `seed_flag`)."""
-  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
-  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
-  p.add_argument("--top-p", type=float, default=1.0,
-                 help="sample within the top-p probability mass (1.0: off)")
-  p.add_argument(seed_flag, type=int, default=0, help=seed_help)
 
 
 def main(argv=None) -> None:

@@ -33,15 +33,20 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+DEFAULT_SELECTION = "not slow and not slurm and not e2e"  # pytest.ini's addopts
+
+
 def pytest_configure(config):
-  """The default selection (which leaves out `e2e`) compiles for the CPU without LLVM's
-  optimisation passes: its programs are small and run a few times each, so compiling
-  is most of their time, and each of its comparisons is between programs built alike
-  or against a tolerance that the unoptimised code meets. Workers and CLI subprocesses
-  inherit the flag. A run that selects the end-to-end tests compiles as users' runs
-  do: they compare separately compiled multi-process and one-process runs to 1e-5."""
+  """The default selection compiles for the CPU without LLVM's optimisation passes: its
+  programs are small and run a few times each, so compiling is most of their time, and
+  each of its comparisons is between programs built alike or against a tolerance that
+  the unoptimised code meets. Workers and CLI subprocesses inherit the flag. Every other
+  selection compiles as users' runs do: `-m e2e` compares separately compiled
+  multi-process and one-process runs to 1e-5, and .ci/run's `-m "parity and ..."` step
+  runs the tight numerical comparisons at the default level too."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if (os.environ["JAX_PLATFORMS"] == "cpu" and "not e2e" in (config.getoption("markexpr") or "")
+  if (os.environ["JAX_PLATFORMS"] == "cpu"
+      and (config.getoption("markexpr") or "").strip() == DEFAULT_SELECTION
       and "--xla_backend_optimization_level" not in flags):
     os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 

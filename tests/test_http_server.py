@@ -9,9 +9,10 @@ the top-k/top-p cut).
 
 The server runs 8 rows, W in {1, 3} for "auto" and windows up to 3 per request, so one
 batch mixes every kind of request (a round runs at W = 1 or 3: few compilations). It
-compiles them all before it says it is ready, and nothing after. The last test of the
-shared server stops it with SIGTERM. A second server, on the same compilation cache,
-has a fault injected into its third round and a queue of one: the failure modes.
+compiles them all before it says it is ready, and nothing after. A second server, on the
+same compilation cache, has a fault injected into its third round and a queue of one:
+the failure modes. Each test passes alone and in any order (`Servers` starts a server
+again after a test stopped it); in file order each server starts once.
 """
 
 import asyncio
@@ -90,15 +91,47 @@ class Live:
     return out
 
 
+class Servers:
+  """The module's servers by name, each started on first use and started again when a
+  test has stopped it (or asks for a fresh one), so that every test passes alone and in
+  any order. In file order each starts once: the tests that stop a server come last."""
+
+  def __init__(self, tmp_path_factory):
+    self.tmp_path_factory, self.running = tmp_path_factory, {}
+    self.checkpoint = make_qwen_checkpoint(tmp_path_factory.mktemp("hf") / "hf", "qwen2.5")
+
+  def get(self, name: str, *extra_args, env=None, fresh: bool = False) -> Live:
+    server = self.running.get(name)
+    if server is not None and (fresh or server.proc.poll() is not None):
+      self._stop(server)
+      server = None
+    if server is None:
+      server = self.running[name] = Live(self.checkpoint, self.tmp_path_factory.mktemp(name),
+                                         *extra_args, env=env, name=name)
+    return server
+
+  @staticmethod
+  def _stop(server: Live) -> None:
+    if server.proc.poll() is None:
+      server.proc.kill()
+      server.proc.wait(120)
+    server.log.close()
+
+  def close(self) -> None:
+    for server in self.running.values():
+      self._stop(server)
+
+
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("http")
-  server = Live(make_qwen_checkpoint(tmp / "hf", "qwen2.5"), tmp)
-  yield server
-  if server.proc.poll() is None:
-    server.proc.terminate()
-    server.proc.wait(120)
-  server.log.close()
+def servers(tmp_path_factory):
+  running = Servers(tmp_path_factory)
+  yield running
+  running.close()
+
+
+@pytest.fixture
+def live(servers):
+  return servers.get("server")
 
 
 def complete(client, prompt, *, stream=False, **kw):
@@ -318,8 +351,16 @@ def test_lm_eval_chat_completions_scores_as_the_in_process_backend(live, tmp_pat
 
 
 def test_nothing_compiles_after_ready(live):
-  """Every request kind above (windows, modes, sampling, stops, prompt lengths) ran on
-  programs warmup compiled."""
+  """Every kind of request (windows, modes, gates, sampling, stops, streaming, short and
+  long prompts, chat), all at once so that rounds mix them, runs on programs that warmup
+  compiled."""
+  bodies = [{"model": NAME, "prompt": prompt, "temperature": 0.0, **kw}
+            for prompt, kw in _mixed_requests()]
+  bodies += [{"model": NAME, "prompt": "word " * 100, "max_tokens": 20, "window": 3,
+              "stop": ["the"], "temperature": 0.9, "seed": 1},
+             {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 12, "stream": True}]
+  assert {r.status_code for r in _post_all(live.url, bodies)} == {200}
+  assert chat(live.client(), PROMPTS[1], max_tokens=6, window=3, tau=0.5)[1]
   assert live.metrics()["mars_compiles_after_ready_total"] == 0, live.output()
 
 
@@ -346,20 +387,29 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits(live):
     httpx.get(f"{live.url}/health", timeout=5)
 
 
-@pytest.fixture(scope="module")
-def faulty(live, tmp_path_factory):
+FAULTY = ("--max-queued", "1", "--shutdown-timeout", "3")
+FAULTY_ENV = {"MARS_JAX_SERVE_FAIL_ROUNDS": "3", "MARS_JAX_SERVE_ROUND_DELAY_S": "0.2"}
+
+
+@pytest.fixture
+def faulty(servers):
   """A second server on the same model and compilation cache: its third round raises,
   every round takes 0.2 s more (requests stay in flight for seconds), one request may
-  wait for a row, and shutdown gives requests 3 s."""
-  tmp = tmp_path_factory.mktemp("faulty")
-  server = Live(live.path, tmp, "--max-queued", "1", "--shutdown-timeout", "3",
-                env={"MARS_JAX_SERVE_FAIL_ROUNDS": "3", "MARS_JAX_SERVE_ROUND_DELAY_S": "0.2"},
-                name="faulty")
-  yield server
-  if server.proc.poll() is None:
-    server.proc.kill()
-    server.proc.wait(60)
-  server.log.close()
+  wait for a row, and shutdown gives requests 3 s. Its failing round is behind it: a
+  test that finds it ahead runs short requests until it has failed."""
+  server = servers.get("faulty", *FAULTY, env=FAULTY_ENV)
+  while server.metrics()["mars_rounds_failed_total"] == 0:
+    httpx.post(f"{server.url}/v1/completions", json=_long(0, 4), timeout=120)
+  return server
+
+
+@pytest.fixture
+def faulty_ahead(servers):
+  """The faulty server before its first round (started afresh if it has run one)."""
+  server = servers.get("faulty", *FAULTY, env=FAULTY_ENV)
+  if server.metrics()["mars_rounds_total"] > 0:
+    server = servers.get("faulty", *FAULTY, env=FAULTY_ENV, fresh=True)
+  return server
 
 
 def _post_all(url: str, bodies: list[dict], timeout: float = 300) -> list[httpx.Response]:
@@ -384,7 +434,8 @@ def _wait_for(live, name: str, value: float, timeout: float = 60) -> None:
     time.sleep(0.1)
 
 
-def test_a_failed_round_fails_only_its_requests_and_the_engine_goes_on(faulty):
+def test_a_failed_round_fails_only_its_requests_and_the_engine_goes_on(faulty_ahead):
+  faulty = faulty_ahead
   # 9 requests for 8 rows: round 3 raises while 8 run; the one waiting for a row is
   # not in it and is answered in full after the engine reset.
   responses = _post_all(faulty.url, [_long(i, 40) for i in range(9)])

@@ -29,6 +29,9 @@ from mars_jax.models import qwen2
 from mars_jax.models.config import LoraSpec
 from mars_jax.training.optimizer import OptimizerConfig, make_optimizer
 
+# Tight numerical comparisons: .ci/run runs them again at XLA's default optimisation level.
+pytestmark = pytest.mark.parity
+
 TINY = qwen2.preset("qwen2.5-0.5b", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 MASK = 60

@@ -64,7 +64,8 @@ import mars_jax, mars_jax.data, mars_jax.checkpoints.hf, mars_jax.training.confi
 tasks = importlib.resources.files("mars_jax.evaluation") / "lm_eval_tasks"
 print(json.dumps({
     "mars_jax": mars_jax.__file__,
-    "submodules": [m.__file__ for m in (mars_jax.data, mars_jax.checkpoints.hf, mars_jax.training.config)],
+    "submodules": [m.__file__ for m in (mars_jax.data, mars_jax.checkpoints.hf,
+                                        mars_jax.training.config)],
     "tasks": str(tasks),
 }))
 """

@@ -1,5 +1,5 @@
-"""`mars_jax.plan` and `mars_jax.parallel.hardware`: a tiny model's MARS and AR-SFT steps compiled by
-the real TPU (v5p:2x2x1, libtpu) and GPU (an 8 x H100 node, the jax CUDA pjrt plugin)
+"""`mars_jax.plan` and `mars_jax.parallel.hardware`: a tiny model's MARS and AR-SFT steps
+compiled by the real TPU (v5p:2x2x1, libtpu) and GPU (an 8 x H100 node, the jax CUDA pjrt plugin)
 compilers on this CPU host, the plan's figures checked against the compiled memory,
 and the one-line errors of the CLI.
 
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from mars_jax import plan
+from mars_jax.benchmarks import plan
 from mars_jax.parallel import hardware, sharding
 from mars_jax.training import config as train_config, step as train_step
 from mars_jax.training.optimizer import make_optimizer

@@ -24,6 +24,9 @@ from mars_jax.checkpoints import runs
 from mars_jax.data import build_char_tokenizer, model_vocab_size
 from mars_jax.models import qwen2
 
+# Tight numerical comparisons: .ci/run runs them again at XLA's default optimisation level.
+pytestmark = pytest.mark.parity
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3 = {"family": "qwen3", "head_dim": 24}   # head_dim != hidden / heads (16)
 MASK_ID = 127

@@ -20,6 +20,9 @@ from mars_jax.checkpoints import hf
 from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import speculative
 
+# Tight numerical comparisons: .ci/run runs them again at XLA's default optimisation level.
+pytestmark = pytest.mark.parity
+
 EOS = [2, 9]
 BUDGETS = [14, 9, 16, 12]
 SEEDS = [3, 141, 59, 26]

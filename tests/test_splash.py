@@ -14,6 +14,9 @@ from mars_jax.models import attention, qwen2, splash
 
 from test_objective import MASK, random_params, tiny_config
 
+# Tight numerical comparisons: .ci/run runs them again at XLA's default optimisation level.
+pytestmark = pytest.mark.parity
+
 TOL = 1e-5
 # Unrolled layers, as test_objective's params: they compile faster on CPU.
 XLA = qwen2.Runtime(attention_impl="xla", scan_layers=False)

@@ -1,16 +1,46 @@
-"""Per-prompt settings of a decoding run, shared by every caller that takes prompts from a
-user (generate, evaluate, lm_eval): sampling seeds and token budgets, checked before a
-model loads."""
+"""Prompts from a user and their per-prompt settings, shared by the CLIs that decode
+(generate, evaluate, lm_eval): prompt files read and encoded, sampling seeds and token
+budgets checked before a model loads, and the sampling flags."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from typing import Sequence
 
 import numpy as np
 
 from mars_jax.decoding import batching
+from mars_jax.decoding.loading import chat_prompt_ids
 
 SEED_RANGE = 1 << 32  # seeds are uint32
+
+
+def read_prompts(path: str) -> list[list[dict]]:
+  """JSONL of {"prompt"} or {"messages"} -> chats (trailing assistant turn dropped)."""
+  chats = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      record = json.loads(line)
+      if "messages" in record:
+        messages = list(record["messages"])
+        if messages and messages[-1]["role"] == "assistant":
+          messages.pop()
+      elif "prompt" in record:
+        messages = [{"role": "user", "content": record["prompt"]}]
+      else:
+        raise ValueError(f"{path}:{n}: expected a 'prompt' or 'messages' key.")
+      chats.append(messages)
+  return chats
+
+
+def encode(tokenizer, chats: Sequence[list[dict]], *, raw: bool) -> list[list[int]]:
+  if raw:
+    return [tokenizer.encode("".join(m["content"] for m in c), add_special_tokens=False)
+            for c in chats]
+  return [chat_prompt_ids(tokenizer, c) for c in chats]
 
 
 def check_seed(seed: int) -> int:
@@ -43,3 +73,12 @@ def budgets(max_positions: int, prompts: Sequence[Sequence[int]],
       raise ValueError(f"prompt {i}: {len(p)} tokens leave no room to generate in the "
                        f"model's max_position_embeddings ({max_positions}); shorten it.")
   return [max_positions - len(p) for p in prompts]
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, seed_flag: str, seed_help: str) -> None:
+  """--temperature, --top-k, --top-p and the sampling seed flag (named `seed_flag`)."""
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
+  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: off)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="sample within the top-p probability mass (1.0: off)")
+  p.add_argument(seed_flag, type=int, default=0, help=seed_help)

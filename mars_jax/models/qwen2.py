@@ -32,7 +32,8 @@ Every function takes the architecture (`Qwen2Config`) and, as the keyword
 default runtime is float32 with the plain einsum attention.
 
 Every weight carries logical axis names (`layers`, `vocab`, `embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `norm`, `lora_rank`) that `mars_jax.parallel.sharding` maps to mesh axes.
+`kv_heads`, `head_dim`, `mlp`, `norm`, `lora_rank`) that `mars_jax.parallel.sharding` maps to
+mesh axes.
 Without scan (`runtime.scan_layers=False`) the layers are `layers_0 .. layers_{L-1}`
 with the same leaves minus the leading axis. Activations carry logical axis names too,
 pinned with `layers.constrain` (the table is in `mars_jax.models.layers`).

@@ -62,10 +62,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def make_hf_model(path, *, family="qwen2", tie=True, num_kv_heads=2, num_heads=4, hidden=64,
                   layers=2, vocab=128, intermediate=96, seed=0, rope_theta=10000.0,
-                  head_dim=None):
+                  head_dim=None, rope_scaling=None):
   """Saves a random `Qwen2ForCausalLM` or `Qwen3ForCausalLM` (family "qwen2" | "qwen3",
   transformers' own init) to `path`; returns it. head_dim None: the transformers config
-  class's default (Qwen2: hidden / heads, Qwen3: 128)."""
+  class's default (Qwen2: hidden / heads, Qwen3: 128). rope_scaling: a tuple of items
+  (hashable, for `hf_tiny`) of the rope dict, e.g. (("rope_type", "yarn"), ...)."""
   import torch
   import transformers
 
@@ -77,7 +78,9 @@ def make_hf_model(path, *, family="qwen2", tie=True, num_kv_heads=2, num_heads=4
       vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
       num_hidden_layers=layers, num_attention_heads=num_heads,
       num_key_value_heads=num_kv_heads, max_position_embeddings=256,
-      rope_theta=rope_theta, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+      rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
+                       **dict(rope_scaling or ())},
       **({} if head_dim is None else {"head_dim": head_dim}))
   model = model_cls(cfg).eval()
   # transformers initialises biases to zero and norms to one; make them random so a

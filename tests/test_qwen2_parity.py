@@ -49,6 +49,42 @@ def test_logits_match_transformers(hf_tiny, family, tie, kv):
   np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
 
 
+SCALINGS = {"yarn": (("rope_type", "yarn"), ("factor", 4.0),
+                     ("original_max_position_embeddings", 64)),
+            "linear": (("rope_type", "linear"), ("factor", 2.0))}
+
+
+@family
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_rope_scaling_matches_transformers_past_the_original_window(hf_tiny, tmp_path,
+                                                                     family, scaling):
+  """A checkpoint with `rope_scaling` (YaRN over a 64-position original window, or
+  linear): logits at positions 180-219 equal transformers', and an export keeps it."""
+  path, model = hf_tiny(tie=False, num_kv_heads=2, rope_scaling=SCALINGS[scaling],
+                        **FAMILIES[family])
+  config, params = hf.load_pretrained(path)
+  assert config.rope_scaling.rope_type == scaling
+  tokens = np.random.default_rng(3).integers(0, 128, (2, 40)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(180, 220, dtype=np.int32), (2, 40))
+  ours = np.asarray(qwen2.forward(config, params, tokens, positions, causal(2, 40)))
+  np.testing.assert_allclose(ours, torch_logits(model, tokens, positions, causal(2, 40)),
+                             atol=TOL, rtol=0)
+  hf.save_pretrained(config, params, str(tmp_path / "export"))
+  assert hf.load_pretrained(str(tmp_path / "export"))[0] == config
+  again = type(model).from_pretrained(str(tmp_path / "export")).eval()
+  np.testing.assert_allclose(ours, torch_logits(again, tokens, positions, causal(2, 40)),
+                             atol=TOL, rtol=0)
+
+
+def test_unsupported_rope_scaling_is_refused_by_name():
+  with pytest.raises(ValueError, match="rope_type='dynamic' is not supported"):
+    qwen2.Qwen2Config.from_hf_dict({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 8,
+        "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, source="config.json")
+
+
 @family
 def test_right_padded_batch(hf_tiny, family):
   path, model = hf_tiny(tie=True, num_kv_heads=2, **FAMILIES[family])

@@ -202,3 +202,26 @@ def test_one_compile_per_bucket_and_window(model):
     jax.monitoring.unregister_event_duration_listener(listener)
   assert len(compiles) == 2
   assert loop.decode._cache_size() == 2
+
+
+@pytest.mark.parametrize("window,mode,temperature", [(1, "gated", 0.0), (BLOCK + 1, "gated", 0.0),
+                                                     (3, "lossless", 0.8)])
+def test_chunked_prefill_equals_the_one_step_prefill(model, window, mode, temperature):
+  """Prompts fed through the cache 5 tokens a step (the longest takes partial steps while
+  the shortest already decode) give every row the tokens and forwards of the prefill
+  that feeds each prompt whole."""
+  from mars_jax.decoding import batching  # pylint: disable=import-outside-toplevel
+  config, params = model
+  prompts = PROMPTS + [list(range(3, 40))]
+  b = batching.bucket(prompts, len(prompts), max_new_tokens=16, tau=TAUS["probability"],
+                      temperature=temperature, seed=5, lossless=mode == "lossless")
+  run = functools.partial(loop.decode, config, params, b.prompt, b.prompt_len,
+                          b.max_new_tokens, b.controls, batching.eos_array((126,)),
+                          np.int32(MASK_ID), window=window, mode=mode,
+                          cache_len=b.cache_len(window, config.max_position_embeddings))
+  whole, chunked = run(), run(prefill_chunk=5)
+  assert b.prompt.shape[1] > 5 * 7
+  for field in ("seq", "length", "forwards"):
+    np.testing.assert_array_equal(np.asarray(getattr(whole, field)),
+                                  np.asarray(getattr(chunked, field)), err_msg=field)
+  assert int(chunked.steps) > int(whole.steps)

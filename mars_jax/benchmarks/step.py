@@ -33,7 +33,7 @@ import numpy as np
 from mars_jax.core import choices
 from mars_jax.parallel import sharding
 from mars_jax.training import masks, objective, optimizer, step as train_step
-from mars_jax.core.choices import Kind, Remat
+from mars_jax.core.choices import AttentionImpl, Kind, Remat
 from mars_jax.models import qwen2
 
 MIB = 2 ** 20
@@ -63,6 +63,8 @@ def parse_args(argv):
   g.add_argument("--remat", default="dots_with_no_batch_dims", choices=choices.values(Remat),
                  help="remat policy of each layer (default: configs/tiny.py's, the fastest "
                  "with a layer scan on CPU; none keeps every activation)")
+  g.add_argument("--attention", default="xla", choices=choices.values(AttentionImpl),
+                 help="attention implementation of our steps (Runtime.attention_impl)")
   g.add_argument("--no-scan", action="store_true",
                  help="unrolled layers (Runtime.scan_layers=False) instead of a layer scan")
   g.add_argument("--chunk-size", type=int, default=256,
@@ -255,11 +257,13 @@ def scenario_rows(config, batch, args, runtime, mesh, peer_dir: str | None) -> l
 
 def step_table(args) -> str:
   import tempfile  # pylint: disable=import-outside-toplevel
-  runtime = qwen2.Runtime(dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan)
+  runtime = qwen2.Runtime(dtype=args.dtype, remat=args.remat, scan_layers=not args.no_scan,
+                          attention_impl=args.attention)
   mesh = sharding.make_mesh(sharding.MeshConfig(-1, 1, 1))
   if not args.threads:
     args.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
   lines = [f"Train step (value, gradient, AdamW): dtype={runtime.dtype} remat={runtime.remat} "
+           f"attention={runtime.attention_impl} "
            f"scan_layers={runtime.scan_layers} "
            f"B={args.block_size}, {jax.device_count()} x {jax.devices()[0].platform}; "
            f"best of {args.rounds} rounds of {args.steps} steps"

@@ -10,8 +10,10 @@
   Remat          decoder-layer rematerialisation policy (`mars_jax.models.qwen2`)
   AttentionImpl  "xla" (einsum), "dot_product_attention" (`jax.nn.dot_product_attention`),
                  "cudnn" (the same, forced to cuDNN), "splash" (JAX's Pallas TPU
-                 splash kernel, `mars_jax.models.splash`), "auto" (splash where the
-                 step is compiled for TPU, "xla" elsewhere)
+                 splash kernel, `mars_jax.models.splash`), "flash" (blockwise, the
+                 mask from per-token vectors, `mars_jax.models.flash`), "auto" (splash
+                 where the step is compiled for TPU; elsewhere "flash" from 4096
+                 positions a pass on, "xla" below)
 
 Signatures annotate with these types; the entry points that take a choice from a
 user (configs, CLIs, `sampling.generate`) call `check`, whose error names the
@@ -29,7 +31,7 @@ Kind = Literal["mars", "ar_sft"]
 IntraBlock = Literal["causal", "bidirectional"]
 Normalization = Literal["sequence", "token"]
 Remat = Literal["none", "full", "dots", "dots_with_no_batch_dims", "names"]
-AttentionImpl = Literal["xla", "dot_product_attention", "cudnn", "splash", "auto"]
+AttentionImpl = Literal["xla", "dot_product_attention", "cudnn", "splash", "flash", "auto"]
 
 
 def values(choice: typing.Any) -> tuple[str, ...]:

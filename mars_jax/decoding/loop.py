@@ -104,6 +104,7 @@ SEQ_AXES = P("activation_batch", "activation_length")
 CACHE_AXES = P(None, "activation_batch", "activation_kv_heads", "activation_length", None)
 STOP_AXES = P("activation_batch", None)
 STOP_BUCKET = 8  # stop ids per row in a state, unless its maker asks for more
+PREFILL_CHUNK = 512  # prompt tokens a prefill step feeds (`prefill`)
 
 
 @struct.dataclass
@@ -466,39 +467,57 @@ def start(config: Qwen2Config, prompt: Array, prompt_len: Array, max_new_tokens:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len",
-                                             "mesh"))
+                                             "mesh", "prefill_chunk"))
 def prefill(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
             max_new_tokens: Array, controls: Controls, eos_ids: Array,
             mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
-            runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
-  """`start`, then the first forward: the whole prompt as pending tokens, so it yields
-  the first `window` proposals too (arguments as `decode`) -> the state after it."""
+            runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
+            prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
+  """`start`, then the prompts fed through the cache `prefill_chunk` tokens a step, the
+  last step of each row its first forward, so it yields the first `window` proposals
+  too (arguments as `decode`) -> the state once every row has proposed.
+
+  A prompt longer than the chunk takes partial steps (`advance`) until at most a chunk
+  is pending; a row whose prompt is done first goes on decoding meanwhile (its tokens
+  do not depend on the steps' width). No step scores more than [chunk + W - 1] queries
+  against this step's keys and the cache's blocks, whatever the prompt's length.
+  """
+  if prefill_chunk < window:
+    raise ValueError(f"prefill_chunk={prefill_chunk} is below the window ({window}).")
   state = start(config, prompt, prompt_len, max_new_tokens, controls, cache_len=cache_len,
                 runtime=runtime, mesh=mesh)
+  chunk = min(prompt.shape[1], prefill_chunk)
+  step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
+                           mask_token_id=mask_token_id, real_slots=chunk, window=window,
+                           mode=mode)
   with on_mesh(mesh):
-    return advance(config, runtime, params, state, eos_ids, mask_token_id,
-                   real_slots=prompt.shape[1], window=window, mode=mode)
+    if chunk < prompt.shape[1]:
+      state = jax.lax.while_loop(
+          lambda st: jnp.any(~st.done & (st.length - st.cursor > chunk)), step, state)
+    return step(state)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode", "cache_len",
-                                             "mesh"))
+                                             "mesh", "prefill_chunk"))
 def decode(config: Qwen2Config, params, prompt: Array, prompt_len: Array,
            max_new_tokens: Array, controls: Controls, eos_ids: Array,
            mask_token_id: Array, *, window: int, mode: Mode, cache_len: int,
-           runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> DecodeState:
+           runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
+           prefill_chunk: int = PREFILL_CHUNK) -> DecodeState:
   """Prefill, then the decoding loop until every sample is done.
 
   prompt: int32[b, P] right-padded; prompt_len: int32[b] (>= 1);
   max_new_tokens: int32[b] (0 marks a padding row); controls: `Controls` of b rows;
   eos_ids: int32[e] (entries < 0 are padding); mask_token_id: int32[];
   cache_len: S >= max(prompt_len + max_new_tokens) + window - 1;
+  prefill_chunk: prompt tokens a prefill step feeds (`prefill`);
   mesh: None (one device), or the mesh the params are placed on (rows split over
   data x fsdp: b divisible by their size).
   -> the final `DecodeState`; sample i generated seq[i, prompt_len[i]:length[i]].
   """
   state = prefill(config, params, prompt, prompt_len, max_new_tokens, controls, eos_ids,
                   mask_token_id, window=window, mode=mode, cache_len=cache_len,
-                  runtime=runtime, mesh=mesh)
+                  runtime=runtime, mesh=mesh, prefill_chunk=prefill_chunk)
   step = functools.partial(advance, config, runtime, params, eos_ids=eos_ids,
                            mask_token_id=mask_token_id, window=window, mode=mode,
                            real_slots=window)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mars_jax.models import splash
+from mars_jax.models import flash, splash
 
 Array = jax.Array
 Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # see `span_attention`
 CACHE_CHUNK = 64  # cache slots `cached_attention` reads per block
+FLASH_FROM = 4096  # positions from which "auto" runs the blockwise attention off TPU
 
 
 def _queries_head_major(q: Array, kv_heads: int) -> Array:
@@ -68,11 +69,36 @@ def attention(q: Array, k: Array, v: Array, mask: Array, impl: str) -> Array:
   return _heads_back(out / jnp.sum(e, axis=-1)[..., None]).astype(v.dtype)
 
 
-def uncached_attention(q: Array, k: Array, v: Array, mask: Array, impl: str,
-                       spans: Spans | None) -> Array:
+def dense(mask: Array | flash.TokenMask) -> Array:
+  """A pass's mask as bool[b, t, t] (a `flash.TokenMask` drawn out whole)."""
+  return flash.dense_mask(mask) if isinstance(mask, flash.TokenMask) else mask
+
+
+def keeps_token_mask(impl: str, length: int) -> bool:
+  """Whether an uncached pass of `length` positions under `impl` runs its attention from
+  the mask per token (`flash.TokenMask`), never drawing it out whole: "flash" always,
+  "auto" from FLASH_FROM positions on (off TPU: blockwise; on TPU: splash, which still
+  takes the mask whole)."""
+  return impl == "flash" or (impl == "auto" and length >= FLASH_FROM)
+
+
+def uncached_attention(q: Array, k: Array, v: Array, mask: Array | flash.TokenMask,
+                       impl: str, spans: Spans | None) -> Array:
   """`attention` of an uncached pass as `impl` says, span by span where "xla" has
-  `spans` (`span_attention`); "auto" is "splash" where the computation is lowered for
-  TPU and "xla" on every other backend (`jax.lax.platform_dependent`)."""
+  `spans` (`span_attention`); "flash" is `flash.flash_attention` over a
+  `flash.TokenMask`; "auto" is "splash" where the computation is lowered for TPU and,
+  on every other backend (`jax.lax.platform_dependent`), "flash" given a TokenMask
+  (`keeps_token_mask`) and "xla" given a dense mask. The other impls take the mask
+  whole (bool[b, t, t], or a TokenMask drawn out by `dense`); "flash" given a dense
+  mask (a pass that built one, e.g. decoding's prefill) is "xla"."""
+  if isinstance(mask, flash.TokenMask) and impl in ("flash", "auto"):
+    if impl == "flash":
+      return flash.flash_attention(q, k, v, mask)
+    return jax.lax.platform_dependent(
+        q, k, v, mask, tpu=lambda q, k, v, m: splash.splash_attention(q, k, v, dense(m)),
+        default=flash.flash_attention)
+  impl = "xla" if impl == "flash" else impl
+  mask = dense(mask)
   if impl == "auto":
     return jax.lax.platform_dependent(
         q, k, v, mask, tpu=splash.splash_attention,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from mars_jax.core import choices
 from mars_jax.core.choices import AttentionImpl, Remat
+from mars_jax.models.rope import RopeScaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -84,6 +85,7 @@ class Qwen2Config:
   bos_token_id: int | None = 151643
   eos_token_id: int | tuple[int, ...] | None = 151645
   model_type: str = "qwen2"
+  rope_scaling: RopeScaling | None = None  # None: the default RoPE
 
   def __post_init__(self):
     if self.model_type not in FAMILIES:
@@ -161,10 +163,7 @@ class Qwen2Config:
       raise ValueError(f"{source}: hidden_act={act!r} is not supported; {family.title} uses "
                        f"'silu' (SwiGLU). This checkpoint is not a standard {family.title}.")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-      raise ValueError(f"{source}: rope_type={rope_type!r} is not supported; only the "
-                       "default RoPE (no scaling) is implemented.")
+    scaling = RopeScaling.from_hf(rope, source)
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     if d.get("use_sliding_window", False):
       raise ValueError(f"{source}: use_sliding_window=true is not supported; {family.title} "
@@ -188,6 +187,7 @@ class Qwen2Config:
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
         model_type=model_type,
+        rope_scaling=scaling,
     )
 
   @classmethod
@@ -219,7 +219,8 @@ class Qwen2Config:
         "hidden_act": "silu",
         "rms_norm_eps": self.rms_norm_eps,
         "rope_theta": self.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                            **(self.rope_scaling.to_hf() if self.rope_scaling else {})},
         "max_position_embeddings": self.max_position_embeddings,
         "tie_word_embeddings": self.tie_word_embeddings,
         "use_sliding_window": False,
@@ -231,6 +232,8 @@ class Qwen2Config:
     }
     if family.reads_attention_bias:
       out["attention_bias"] = family.attention_bias
+    if self.rope_scaling is not None:  # the key transformers 4 reads
+      out["rope_scaling"] = self.rope_scaling.to_hf()
     return out
 
 
@@ -292,8 +295,11 @@ class Runtime:
   attention_impl: "xla" (plain einsum), "dot_product_attention"
     (`jax.nn.dot_product_attention`, backend chosen by JAX), "cudnn" (the fused
     cuDNN kernel on GPU), "splash" (JAX's Pallas splash kernel on TPU, skipping
-    the mask's empty blocks; interpreted elsewhere, `mars_jax.models.splash`) or
-    "auto" ("splash" where the computation is compiled for TPU, "xla" elsewhere).
+    the mask's empty blocks; interpreted elsewhere, `mars_jax.models.splash`),
+    "flash" (blockwise, the mask computed per tile from per-token vectors, never
+    [t, t]: `mars_jax.models.flash`) or "auto" ("splash" where the computation is
+    compiled for TPU; elsewhere "flash" from `attention.FLASH_FROM` positions a pass
+    on, "xla" below).
   remat: rematerialisation policy of each decoder layer: "none", "full" (save
     nothing), "dots", "dots_with_no_batch_dims" (JAX's matmul policies) or "names"
     (save the model's named checkpoints, `qwen2.CHECKPOINT_NAMES`).

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mars_jax.models import rope
 from mars_jax.models.config import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 Array = jax.Array
@@ -131,12 +132,20 @@ class RMSNorm(nn.Module):
     return (scale.astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-  """Rotate-half RoPE tables. positions: int32[b, t] -> cos, sin: float32[b, t, head_dim]."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_cos_sin(positions: Array, head_dim: int, theta: float,
+                 scaling: rope.RopeScaling | None = None) -> tuple[Array, Array]:
+  """Rotate-half RoPE tables, scaled as the checkpoint says (`rope.frequencies`).
+  positions: int32[b, t] -> cos, sin: float32[b, t, head_dim]."""
+  if scaling is None:
+    inv_freq, factor = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32)
+                                        / head_dim)), 1.0
+  else:
+    inv_freq, factor = rope.frequencies(head_dim, theta, scaling)
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb), jnp.sin(emb)
+  if factor == 1.0:
+    return jnp.cos(emb), jnp.sin(emb)
+  return jnp.cos(emb) * factor, jnp.sin(emb) * factor
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:

@@ -55,7 +55,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mars_jax.models import attention
 from mars_jax.models.attention import Spans, cached_attention, uncached_attention
+from mars_jax.models.flash import TokenMask
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
     DEFAULT_RUNTIME, PRESETS, LoraSpec, Qwen2Config, Runtime, preset, scan_layers_of)
 from mars_jax.models.layers import (
@@ -221,11 +223,13 @@ class Qwen2ForCausalLM(nn.Module):
     the cache buffer is donated (the sampler's while_loop carry). dropout_rows: see
     `low_rank`."""
     c = self.config
+    if not attention.keeps_token_mask(self.runtime.attention_impl, tokens.shape[1]):
+      attn_mask = attention.dense(attn_mask)  # drawn out once, not in every layer
     x = jnp.take(self.embedding, tokens, axis=0)
     if self.mask_id is not None:
       x = jnp.where((tokens == self.mask_id)[..., None], self.mask_embedding, x)
     x = constrain(x.astype(self.runtime.jnp_dtype), EMBED_AXES)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
     if self.runtime.scan_layers:
       x, new_kv = self.layers(x, jnp.arange(c.num_hidden_layers), cache, cos, sin, attn_mask,
                               write_index, dropout_rows)
@@ -264,11 +268,11 @@ class Qwen2ForCausalLM(nn.Module):
 
 
 def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
-            attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME) -> Array:
+            attn_mask: Array | TokenMask, *, runtime: Runtime = DEFAULT_RUNTIME) -> Array:
   """Logits of a full (uncached) pass.
 
-  tokens, positions: int32[b, t]; attn_mask: bool[b, t, t] (True = may attend)
-  -> float32[b, t, vocab].
+  tokens, positions: int32[b, t]; attn_mask: bool[b, t, t] (True = may attend), or the
+  same mask per token (`flash.TokenMask`) -> float32[b, t, vocab].
   """
   logits, _ = Qwen2ForCausalLM(config, runtime).apply({"params": params}, tokens, positions,
                                                        attn_mask)
@@ -276,10 +280,13 @@ def forward(config: Qwen2Config, params, tokens: Array, positions: Array,
 
 
 def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
-                   attn_mask: Array, *, runtime: Runtime = DEFAULT_RUNTIME,
+                   attn_mask: Array | TokenMask, *, runtime: Runtime = DEFAULT_RUNTIME,
                    spans: Spans | None = None, dropout_rng: Array | None = None,
                    dropout_rows: Array | None = None) -> Array:
-  """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses).
+  """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses);
+  attn_mask as `forward`'s. A `flash.TokenMask` is never drawn out whole where the
+  attention takes it per token (`attention.keeps_token_mask`: "flash", and "auto" on
+  long passes); elsewhere it is drawn out once, bool[b, t, t].
   spans: static query/key spans that hold every key the mask allows (`span_attention`).
   dropout_rng: the LoRA adapters' dropout (`runtime.lora`, training); None: none.
   dropout_rows: uint32[b], what each row's dropout masks are drawn with beside the key

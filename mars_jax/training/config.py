@@ -181,7 +181,7 @@ def paper_config(*, model_dir: str, preset: str, kind: Kind, fsdp: int, micro_ba
   c.model.init = model_dir
   c.model.preset = preset
   c.model.dtype = "bfloat16"
-  c.model.attention_impl = "auto"   # the splash kernel on TPU, xla on GPU and CPU
+  c.model.attention_impl = "auto"   # splash on TPU; GPU and CPU: flash on long rows, else xla
   c.model.remat = remat
   c.objective.kind = kind
   c.objective.block_size = 4

@@ -42,7 +42,7 @@ import numpy as np
 from mars_jax.core import choices
 from mars_jax.training import masks
 from mars_jax.core.choices import IntraBlock, Kind, Normalization
-from mars_jax.models import qwen2
+from mars_jax.models import flash, qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 
 Array = jax.Array
@@ -186,7 +186,8 @@ def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
   length = f["tokens"].shape[1]
   everything = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), f["tokens"].shape)
   stream = {"index": everything, "valid": jnp.ones(f["tokens"].shape, bool)}
-  return _two_stream(f, stream, block_size, mask_token_id, intra_block)
+  tokens, positions, mask = _two_stream(f, stream, block_size, mask_token_id, intra_block)
+  return tokens, positions, flash.dense_mask(mask)
 
 
 def running_count(flags: Array) -> Array:
@@ -295,19 +296,24 @@ def _gather(a: Array, stream: dict[str, Array], fill=0) -> Array:
 
 
 def _two_stream(f: dict[str, Array], stream: dict[str, Array], block_size: int,
-                mask_token_id: int, intra_block: IntraBlock) -> tuple[Array, Array, Array]:
+                mask_token_id: int, intra_block: IntraBlock
+                ) -> tuple[Array, Array, flash.TokenMask]:
   """[clean row | noisy target stream] inputs: tokens, positions int32[b, L + n] and
-  attn_mask bool[b, L + n, L + n]; each noisy token is MASK where the clean one is a
-  response token (loss_mask), the clean token elsewhere, at its own position."""
+  their mask, per token (`flash.TokenMask`, the rule of `masks.two_stream_target_mask`);
+  each noisy token is MASK where the clean one is a response token (loss_mask), the
+  clean token elsewhere, at its own position."""
   noisy = _gather(jnp.where(f["loss_mask"], jnp.int32(mask_token_id), f["tokens"]), stream)
   noisy_pos = _gather(f["positions"], stream)
   noisy_seg = _gather(f["segment_ids"], stream)
   tokens = jnp.concatenate([f["tokens"], noisy], axis=1)
   positions = jnp.concatenate([f["positions"], noisy_pos], axis=1)
   # the mask from block positions: a per-row shift keeps every order inside the row
-  attn_mask = masks.two_stream_target_mask(f["segment_ids"], f["block_pos"], noisy_seg,
-                                           _gather(f["block_pos"], stream), block_size,
-                                           intra_block=intra_block)
+  block_pos = jnp.concatenate([f["block_pos"], _gather(f["block_pos"], stream)], axis=1)
+  stream_of = jnp.concatenate([jnp.zeros_like(f["loss_mask"]), stream["valid"]], axis=1)
+  attn_mask = flash.TokenMask(jnp.concatenate([f["segment_ids"], noisy_seg], axis=1),
+                              stream_of, block_pos, block_pos // block_size,
+                              causal_blocks=choices.check(IntraBlock, intra_block,
+                                                          "intra_block") == "causal")
   return tokens, positions, attn_mask
 
 
@@ -435,7 +441,7 @@ def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
                  dropout_rng: Array | None) -> dict[str, Array]:
   """AR-SFT sums of the fields `f` of one batch: a causal pass over L, unembedded only
   at the targets (`target_stream` with B = 1)."""
-  attn_mask = masks.segment_causal_mask(f["segment_ids"])
+  attn_mask = flash.causal(f["segment_ids"])
   spans = objective.attention_chunk and masks.causal_spans(f["tokens"].shape[1],
                                                            objective.attention_chunk)
   hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,

@@ -123,8 +123,8 @@ def test_window_check_skips_models_without_a_record(tmp_path, caplog):
      "intra_block", ["causal", "bidirectional"]),
     (lambda: Runtime(remat="some"), "remat",
      ["none", "full", "dots", "dots_with_no_batch_dims", "names"]),
-    (lambda: Runtime(attention_impl="flash"), "attention_impl",
-     ["xla", "dot_product_attention", "cudnn", "splash", "auto"]),
+    (lambda: Runtime(attention_impl="flashy"), "attention_impl",
+     ["xla", "dot_product_attention", "cudnn", "splash", "flash", "auto"]),
 ])
 def test_choices_are_checked_with_one_message(call, field, allowed):
   """Every named choice fails the same way: the field, the value, the allowed values."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_objective import MASK, TOL, max_tree_diff, random_params, tiny_config
 
-from mars_jax.models import attention, flash, qwen2
+from mars_jax.models import attention, context, flash, qwen2
 from mars_jax.training import masks, objective
 
 # Tight numerical comparisons: .ci/run runs them again at XLA's default optimisation level.
@@ -88,6 +88,69 @@ def test_outputs_and_gradients_equal_the_dense_attention(heads, kv_heads, tile):
   assert max_tree_diff(g_want, g_got) < TOL
   out = flash.flash_attention(q, k, v, mask, tile=tile)
   assert float(jnp.max(jnp.abs(jnp.where(sees, 0.0, out)))) == 0.0  # blind queries: zeros
+
+
+def test_striped_queries_against_every_key_equal_the_dense_attention():
+  """What one context shard computes: its queries (every 4th position of the pass, as
+  `context.split` deals them) against every key in the same order, with the keys' own
+  mask; outputs and gradients are the dense attention's at those queries."""
+  shards = 4
+  batch = random_rows(2, 64, seed=5)
+  mask = two_stream_mask(batch, 4, "causal", stream_length=40)[0]
+  dense = flash.dense_mask(mask)
+  t, d = dense.shape[1], 8
+  rng = np.random.default_rng(1)
+  q, k, v, w = (jnp.asarray(rng.normal(size=(2, t, n, d)), jnp.float32) for n in (4, 2, 2, 4))
+  local = t // shards
+  split = lambda a: context.split(a, shards)
+  shard = lambda a, s: split(a)[:, s * local:(s + 1) * local]
+
+  def got(q, k, v, s):
+    return flash.flash_attention(shard(q, s), split(k), split(v), mask.map(
+        lambda a: shard(a, s)), key_mask=mask.map(split), tile=8)
+
+  def want(q, k, v, s):
+    return shard(attention.attention(q, k, v, dense, "xla"), s)
+  sees = jnp.any(dense, axis=-1)[:, :, None, None]
+  for s in range(shards):
+    loss = lambda fn, *a: jnp.sum(jnp.where(shard(sees, s), fn(*a, s), 0.0) * shard(w, s))
+    a, ga = jax.value_and_grad(functools.partial(loss, want), argnums=(0, 1, 2))(q, k, v)
+    b, gb = jax.value_and_grad(functools.partial(loss, got), argnums=(0, 1, 2))(q, k, v)
+    assert abs(float(a) - float(b)) < TOL * max(1.0, abs(float(a)))
+    assert max_tree_diff(ga, gb) < TOL
+  x = jnp.asarray(rng.normal(size=(2, 61, 3)))
+  np.testing.assert_array_equal(np.asarray(context.merge(split(x), shards, 61)), x)
+
+
+def test_striping_balances_the_work_of_the_shards():
+  """A causal row of 8192 over 4 shards, tiles of 128: dealt out round robin, each shard
+  computes the same number of tiles (their sum within 5% of one device's: each shard's
+  diagonal tiles meet every shard's keys); split into contiguous quarters, the last would
+  compute 7 times the first."""
+  shards, t = 4, 8192
+  mask = flash.causal(jnp.ones((1, t), jnp.int32))
+  whole = int(flash.tile_pairs(mask))
+  local = t // shards
+  part = lambda m, s: m.map(lambda a: a[:, s * local:(s + 1) * local])
+  striped = mask.map(lambda a: context.split(a, shards))
+  balanced = [int(flash.tile_pairs(part(striped, s), striped)) for s in range(shards)]
+  contiguous = [int(flash.tile_pairs(part(mask, s), mask)) for s in range(shards)]
+  assert max(balanced) <= 1.01 * min(balanced), balanced
+  assert sum(balanced) <= 1.05 * whole, (balanced, whole)
+  assert contiguous[-1] >= 6 * contiguous[0], contiguous
+
+
+def test_skipped_tiles_leave_the_flops_within_1_15x_of_what_the_mask_allows():
+  """A MARS pass of 4096 tokens a stream, a 256-token prompt, B 4: the tiles that run
+  hold at most 1.15x the pairs the mask allows (the issue's bound at 32k)."""
+  length = 4096
+  loss_mask = np.zeros((1, length), bool)
+  loss_mask[:, 256:] = True
+  batch = {"tokens": np.zeros((1, length), np.int32), "loss_mask": loss_mask}
+  mask = two_stream_mask(batch, 4, "causal")[0]
+  run = int(flash.tile_pairs(mask)) * flash.TILE ** 2
+  allowed = int(flash.allowed_pairs(mask))
+  assert allowed <= run <= 1.15 * allowed, (run / allowed)
 
 
 def _losses(config, params, batch, runtime, **kw):

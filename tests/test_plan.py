@@ -119,7 +119,7 @@ def test_plan_compiles_mars_and_its_args_are_the_state_shards(topology, mesh, tm
   # the new state reuses the donated one: the metrics alone (the TPU pads each scalar)
   assert 0 <= train["outputs"] < 64 << 10
   assert report["train"]["fits"] and report["train"]["suggestion"] is None
-  assert report["train"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
+  assert report["train"]["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **mesh}
   f = report["flops"]
   assert f["positions_per_row"] == 32 + 16
   assert f["step_s_mfu50"] == pytest.approx(2 * f["flops_per_step"]

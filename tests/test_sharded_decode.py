@@ -142,11 +142,13 @@ def test_lower_decode_on_tpu_puts_a_quarter_of_the_weights_on_each_chip(eight_de
   assert 0.24 < tpu["tensor=4"] / tpu["param_bytes"] < 0.26, tpu
 
 
-def test_decode_rules_leave_embed_unsplit_and_buckets_divide_over_data():
+def test_decode_rules_leave_embed_and_positions_unsplit_and_buckets_divide_over_data():
   rules = dict(sharding.DECODE_RULES)
   assert rules["embed"] is None and rules["heads"] == rules["kv_heads"] == "tensor"
-  assert {k: v for k, v in rules.items() if k != "embed"} == {
-      k: v for k, v in sharding.LOGICAL_AXIS_RULES if k != "embed"}
+  assert rules["activation_length"] is None   # a decoding mesh has no context axis
+  unsplit = ("embed", "activation_length")
+  assert {k: v for k, v in rules.items() if k not in unsplit} == {
+      k: v for k, v in sharding.LOGICAL_AXIS_RULES if k not in unsplit}
   assert decode_mesh.batch_rows(3, None) == 4
   assert decode_mesh.parse_mesh("data=2,tensor=4") == sharding.MeshConfig(2, 1, 4)
   assert decode_mesh.parse_mesh("tensor=8") == sharding.MeshConfig(-1, 1, 8)

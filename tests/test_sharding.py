@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_flash import random_rows
 
 from mars_jax.parallel import sharding
 from mars_jax.training import objective, optimizer, step as train_step
@@ -30,6 +31,7 @@ VOCAB = 128
 MASK = VOCAB - 1
 LAYOUTS = [  # (data, fsdp, tensor, micro_batches, objective kind)
     (1, 8, 1, 1, "mars"), (2, 2, 2, 1, "mars"), (1, 2, 4, 2, "mars"), (4, 1, 2, 1, "ar_sft")]
+CONTEXT_LAYOUTS = [dict(data=2, context=4), dict(data=1, fsdp=2, context=2, tensor=2)]
 
 
 def tiny_config():
@@ -112,6 +114,30 @@ def tensor_parallel_vs_single_device():
               constraints=sharding_constraints(fn.lower(params, batch).as_text()))
 
 
+def context_parallel_vs_single_device():
+  """Child process body: MARS (random block offsets, the target-block stream) and AR-SFT
+  loss and gradients over packed rows with the positions split over `context`, beside
+  data, fsdp and tensor, vs one device; and whether the context meshes lowered the
+  sharded attention (shard_map)."""
+  config, batch = tiny_config(), random_rows(4, 100, seed=3)
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(4)))
+  one = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  out = []
+  for kind in ("mars", "ar_sft"):
+    obj = objective.ObjectiveConfig(kind=kind, block_size=4, mask_token_id=MASK,
+                                    stream_length=64)
+    ref_loss, ref_grads = jax.device_get(loss_and_grads_fn(config, obj, one)(params, batch))
+    for layout in CONTEXT_LAYOUTS:
+      fn = loss_and_grads_fn(config, obj, sharding.make_mesh(sharding.MeshConfig(**layout)))
+      loss, grads = jax.device_get(fn(params, batch))
+      out.append(dict(kind=kind, layout=layout, loss_diff=abs(float(loss) - float(ref_loss)),
+                      grad_diff=max_tree_diff(grads, ref_grads),
+                      grad_max=max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)),
+                      sharded_attention="sdy.manual_computation" in fn.lower(
+                          params, batch).as_text()))
+  return out
+
+
 def sharded_vs_single_device():
   """Child process body (8 CPU devices): max differences of every layout vs 1 device."""
   config, tx, batch = tiny_config(), make_tx(), packed_batch()
@@ -143,6 +169,7 @@ def sharded_vs_single_device():
       k_kernel=str(shardings["layers"]["attn"]["k_kernel"].spec),
       embedding=str(shardings["embedding"].spec))
   out["tensor_parallel"] = tensor_parallel_vs_single_device()
+  out["context_parallel"] = context_parallel_vs_single_device()
   return out
 
 
@@ -248,8 +275,10 @@ def test_named_remat_equals_no_remat_and_saves_the_named_values(scan, capsys):
 
 
 def test_mesh_config_fills_and_rejects():
-  assert sharding.MeshConfig(-1, 2, 2).shape(8) == (2, 2, 2)
-  assert sharding.MeshConfig(1, -1, 1).shape(8) == (1, 8, 1)
+  # sizes in AXES order: data, fsdp, context, tensor
+  assert sharding.MeshConfig(-1, 2, 2).shape(8) == (2, 2, 1, 2)
+  assert sharding.MeshConfig(1, -1, 1).shape(8) == (1, 8, 1, 1)
+  assert sharding.MeshConfig(1, 1, 2, context=-1).shape(8) == (1, 1, 4, 2)
   with pytest.raises(ValueError, match="needs 16 devices, but 8"):
     sharding.MeshConfig(2, 4, 2).shape(8)
   with pytest.raises(ValueError, match="not divisible"):
@@ -261,7 +290,7 @@ def test_mesh_config_fills_and_rejects():
 
 
 def test_fit_spec_replicates_dimensions_the_mesh_does_not_divide():
-  mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.AXES)
+  mesh = jax.sharding.AbstractMesh((1, 2, 1, 4), sharding.AXES)
   assert sharding.fit_spec(P(None, "fsdp", "tensor", None), (2, 32, 2, 8), mesh) == P(
       None, "fsdp", None, None)
   assert sharding.fit_spec(P(("data", "fsdp")), (6, 5), mesh) == P(("data", "fsdp"), None)
@@ -346,9 +375,10 @@ def test_72b_params_shard_over_fsdp_and_tensor(eight_devices):
   big = eight_devices["72b"]
   assert 72e9 < big["params"] < 73e9
   assert big["per_device"] < 1.001 * big["params"] / 8  # only norms stay replicated
-  assert big["q_kernel"] == str(P(None, "fsdp", "tensor", None))
-  assert big["k_kernel"] == str(P(None, "fsdp", "tensor", None))
-  assert big["embedding"] == str(P("tensor", "fsdp"))
+  zero = ("fsdp", "context")   # the parameters' ZeRO axes (context is 1 here)
+  assert big["q_kernel"] == str(P(None, zero, "tensor", None))
+  assert big["k_kernel"] == str(P(None, zero, "tensor", None))
+  assert big["embedding"] == str(P("tensor", zero))
 
 
 def test_tensor_parallel_activations_equal_single_device(eight_devices):
@@ -359,14 +389,24 @@ def test_tensor_parallel_activations_equal_single_device(eight_devices):
   assert tp["grad_max"] > 1e-3, tp  # the gradients are not trivially zero
   assert tp["loss_diff"] < TOL and tp["grad_diff"] < TOL, tp
   c = tiny_config()
-  split = '<@mesh, [{"data", "fsdp"}, {}, {"tensor"}'
+  split = '<@mesh, [{"data", "fsdp"}, {"context"}, {"tensor"}'
   for tail in (f"x{c.num_attention_heads}x{c.head_dim}xf32>",
                f"x{c.num_key_value_heads}x{c.head_dim}xf32>",
                f"x{c.intermediate_size}xf32>", f"x{c.vocab_size}xf32>"):
     assert any(s.startswith(split) and s.endswith(tail) for s in tp["constraints"]), (
         tail, tp["constraints"])
-  assert any(s.startswith('<@mesh, [{"data", "fsdp"}, {}, {}]>')
+  assert any(s.startswith('<@mesh, [{"data", "fsdp"}, {"context"}, {}]>')
              and s.endswith(f"x{c.hidden_size}xf32>") for s in tp["constraints"]), tp
+
+
+def test_context_parallel_loss_and_gradients_equal_single_device(eight_devices):
+  """Each row's positions split over 4 (and 2, beside fsdp and tensor) devices: the
+  sharded attention runs, and loss and gradients are one device's, packing included."""
+  results = eight_devices["context_parallel"]
+  assert len(results) == 2 * len(CONTEXT_LAYOUTS)
+  for r in results:
+    assert r["sharded_attention"] and r["grad_max"] > 1e-3, r
+    assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
 
 
 def test_one_device_mesh_leaves_activations_unconstrained():

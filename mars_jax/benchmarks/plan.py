@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mars_jax.parallel import hardware, sharding
-from mars_jax.training import config as train_config, masks
+from mars_jax.training import config as train_config, masks, objective
 from mars_jax.training import step as ts
 from mars_jax.benchmarks.step import train_flops
 from mars_jax.decoding import loop, mesh as decode_mesh
-from mars_jax.models import attention, qwen2
+from mars_jax.models import attention, context, flash, qwen2
 from mars_jax.training.optimizer import make_optimizer
 
 
@@ -158,6 +158,36 @@ def train_figures(cfg, config, topology: hardware.Topology) -> dict:
           / (2 * step_100) / topology.chips}
 
 
+def attention_work(cfg, shards: int = 1) -> dict:
+  """What the blockwise attention (`flash`) computes on one MARS row of the config's
+  shape, a reasoning chat: a prompt of L / 8 tokens and a response to the end of the row,
+  block offset 0. tiles: [TILE, TILE] score tiles that run (every tile pair less those
+  the kernel skips); allowed: the (query, key) pairs the mask allows; ratio: tiles x
+  TILE^2 / allowed, the attention FLOPs run per FLOP the mask needs. With `shards` > 1,
+  the positions dealt out as context parallelism deals them: shard_tiles, each shard's
+  queries against every key (balanced when they are equal)."""
+  length = cfg.data.max_length
+  loss_mask = np.zeros((1, length), bool)
+  loss_mask[:, length // 8:] = True
+  batch = {"tokens": np.zeros((1, length), np.int32), "loss_mask": loss_mask}
+  if cfg.objective.kind == "mars":
+    mask = objective.two_stream_token_mask(batch, block_size=cfg.objective.block_size,
+                                           stream_length=_stream_length(cfg),
+                                           intra_block=cfg.objective.intra_block)
+  else:
+    mask = flash.causal(jnp.ones((1, length), jnp.int32))
+  tiles, allowed = int(flash.tile_pairs(mask)), int(flash.allowed_pairs(mask))
+  out = {"positions": int(mask.segment.shape[1]), "tile": flash.TILE, "tiles": tiles,
+         "allowed": allowed, "ratio": tiles * flash.TILE ** 2 / max(allowed, 1)}
+  if shards > 1:
+    striped = mask.map(lambda a: context.split(a, shards))
+    local = striped.segment.shape[1] // shards
+    out["shard_tiles"] = [int(flash.tile_pairs(
+        striped.map(lambda a, s=s: a[:, s * local:(s + 1) * local]), striped))
+        for s in range(shards)]
+  return out
+
+
 def cache_bytes_per_chip(config, mesh, *, batch: int, cache_len: int, runtime) -> int:
   """Bytes of one chip's shard of the KV cache (K and V) in the decode shardings."""
   shapes = jax.eval_shape(lambda: loop.new_state(config, batch, cache_len, runtime=runtime))
@@ -244,6 +274,13 @@ def format_table(report: dict) -> str:
     lines.append(f"model FLOPs/step {f['flops_per_step']:.3e}: step {f['step_s_mfu100']:.3f} s"
                  f" at 100% MFU, {f['step_s_mfu50']:.3f} s at 50%; "
                  f"{f['tokens_per_s_per_chip_mfu50']:.0f} tokens/s/chip at 50%")
+  work = report.get("attention_work")
+  if work:
+    lines.append(f"blockwise attention, one row ({work['positions']} positions, a prompt of "
+                 f"1/8): {work['tiles']} tiles of {work['tile']}^2 run, {work['ratio']:.3f}x "
+                 "the FLOPs the mask allows" + (
+                     f"; tiles per context shard {min(work['shard_tiles'])}-"
+                     f"{max(work['shard_tiles'])}" if "shard_tiles" in work else ""))
   lines.append("attention on the two-stream mask: " + "; ".join(
       f"{impl}: {status}" for impl, status in report["attention"].items()))
   if decode:
@@ -283,6 +320,9 @@ def plan(cfg, config_name: str, topology_name: str, *, decode: tuple[int, int, i
                        "kind": cfg.objective.kind}
     report["train"] = _plain(fit_train(cfg, config, topology, devices, search=search))
     report["flops"] = train_figures(cfg, config, topology)
+    if attention.keeps_token_mask(cfg.model.attention_impl, report["flops"][
+        "positions_per_row"]) or cfg.mesh.context > 1:
+      report["attention_work"] = attention_work(cfg, report["train"]["mesh"]["context"])
   if decode:
     b, s, w = decode
     report["decode"] = decode_plan(cfg, config, topology, devices, batch=b, cache_len=s,

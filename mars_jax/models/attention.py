@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mars_jax.models import flash, splash
+from mars_jax.models import context, flash, splash
 
 Array = jax.Array
 Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # see `span_attention`
@@ -76,9 +76,9 @@ def dense(mask: Array | flash.TokenMask) -> Array:
 
 def keeps_token_mask(impl: str, length: int) -> bool:
   """Whether an uncached pass of `length` positions under `impl` runs its attention from
-  the mask per token (`flash.TokenMask`), never drawing it out whole: "flash" always,
-  "auto" from FLASH_FROM positions on (off TPU: blockwise; on TPU: splash, which still
-  takes the mask whole)."""
+  the mask per token (`flash.TokenMask`, blockwise), never drawing it out whole: "flash"
+  always, "auto" from FLASH_FROM positions on, on every backend (on TPU, splash below
+  them: its mask is a [T, T] array)."""
   return impl == "flash" or (impl == "auto" and length >= FLASH_FROM)
 
 
@@ -86,17 +86,17 @@ def uncached_attention(q: Array, k: Array, v: Array, mask: Array | flash.TokenMa
                        impl: str, spans: Spans | None) -> Array:
   """`attention` of an uncached pass as `impl` says, span by span where "xla" has
   `spans` (`span_attention`); "flash" is `flash.flash_attention` over a
-  `flash.TokenMask`; "auto" is "splash" where the computation is lowered for TPU and,
-  on every other backend (`jax.lax.platform_dependent`), "flash" given a TokenMask
-  (`keeps_token_mask`) and "xla" given a dense mask. The other impls take the mask
+  `flash.TokenMask`; "auto" is "flash" given a TokenMask (`keeps_token_mask`: a long
+  pass) and, given a dense mask, "splash" where the computation is lowered for TPU and
+  "xla" on every other backend (`jax.lax.platform_dependent`). The other impls take the mask
   whole (bool[b, t, t], or a TokenMask drawn out by `dense`); "flash" given a dense
-  mask (a pass that built one, e.g. decoding's prefill) is "xla"."""
+  mask (a pass that built one, e.g. decoding's prefill) is "xla". Under context
+  parallelism (`context.size() > 1`) a TokenMask pass is `context.attention`, whatever
+  `impl` says."""
+  if isinstance(mask, flash.TokenMask) and context.size() > 1:
+    return context.attention(q, k, v, mask)
   if isinstance(mask, flash.TokenMask) and impl in ("flash", "auto"):
-    if impl == "flash":
-      return flash.flash_attention(q, k, v, mask)
-    return jax.lax.platform_dependent(
-        q, k, v, mask, tpu=lambda q, k, v, m: splash.splash_attention(q, k, v, dense(m)),
-        default=flash.flash_attention)
+    return flash.flash_attention(q, k, v, mask)
   impl = "xla" if impl == "flash" else impl
   mask = dense(mask)
   if impl == "auto":

@@ -2,10 +2,10 @@
 shape [t, t] is ever built, forward or backward.
 
 A pass over T positions (a causal row, or MARS's [clean | noisy] streams) describes its
-mask by four int vectors per row (`TokenMask`), and query i may see key j when they are
+mask by five int vectors per row (`TokenMask`), and query i may see key j when they are
 in the same non-zero segment and
 
-  clean -> clean   j <= i                                  (plain causal, by index)
+  clean -> clean   index(j) <= index(i)                    (plain causal)
   noisy -> noisy   block(j) == block(i), position(j) <= position(i)
                    (block(j) == block(i) alone, `causal_blocks=False`: Block Diffusion)
   noisy -> clean   block(j) < block(i)
@@ -27,6 +27,11 @@ dv). Query and key tiles are loops (`lax.map`, `fori_loop`), so the program is t
 same size whatever T is. Grouped-query attention multiplies each kv head against its
 group of query heads; K and V are never repeated. A query that may see no key gets
 zeros.
+
+Each token carries its index in the pass, so the queries and keys need not be the whole
+pass in order: `flash_attention` takes the keys' own mask (`key_mask`), which context
+parallelism uses to attend from one shard's queries, in a load-balanced order, to every
+shard's keys (`mars_jax.models.context`).
 """
 
 from __future__ import annotations
@@ -52,40 +57,45 @@ class TokenMask:
   noisy: Array     # True: a token of the noisy (masked) stream
   position: Array  # in-segment position (block offset included): orders a block's tokens
   block: Array     # the token's block (position // B): only noisy tokens' rules read it
+  index: Array     # the token's place in the pass: orders the clean stream
   causal_blocks: bool = flax.struct.field(pytree_node=False, default=True)
 
-  def fields(self) -> tuple[Array, Array, Array, Array]:
-    return self.segment, self.noisy, self.position, self.block
+  def fields(self) -> tuple[Array, Array, Array, Array, Array]:
+    return self.segment, self.noisy, self.position, self.block, self.index
 
   def map(self, fn) -> "TokenMask":
     """The same mask with `fn` applied to every field."""
     return TokenMask(*(fn(a) for a in self.fields()), causal_blocks=self.causal_blocks)
 
 
+def pass_index(segment: Array) -> Array:
+  """int32[b, T]: each token's place in a pass laid out in order, 0 .. T-1."""
+  return jnp.broadcast_to(jnp.arange(segment.shape[1], dtype=jnp.int32), segment.shape)
+
+
 def causal(segment: Array) -> TokenMask:
   """A plain causal pass over packed rows: segment int32[b, T] (0 = padding)."""
   zeros = jnp.zeros_like(segment)
-  return TokenMask(segment, zeros.astype(bool), zeros, zeros)
+  return TokenMask(segment, zeros.astype(bool), zeros, zeros, pass_index(segment))
 
 
-def allowed(q: TokenMask, k: TokenMask, q_index: Array, k_index: Array) -> Array:
-  """The rule above for queries `q` at indices q_index int32[tq] and keys `k` at
-  k_index int32[tk] (each field [b, tq] / [b, tk]) -> bool[b, tq, tk]."""
+def allowed(q: TokenMask, k: TokenMask) -> Array:
+  """The rule above for queries `q` and keys `k` (fields [b, tq] / [b, tk])
+  -> bool[b, tq, tk]."""
   col = lambda a: a[:, :, None]
   row = lambda a: a[:, None, :]
   same = (col(q.segment) == row(k.segment)) & (col(q.segment) != 0)
   qn, kn = col(q.noisy), row(k.noisy)
   same_block = col(q.block) == row(k.block)
   in_block = same_block & (row(k.position) <= col(q.position)) if q.causal_blocks else same_block
-  clean = ~qn & ~kn & (k_index[None, None, :] <= q_index[None, :, None])
+  clean = ~qn & ~kn & (row(k.index) <= col(q.index))
   return same & (clean | qn & kn & in_block | qn & ~kn & (row(k.block) < col(q.block)))
 
 
 def dense_mask(mask: TokenMask) -> Array:
   """The whole mask, bool[b, T, T]: the reference the tests compare with, and what the
   attention implementations that take a dense mask are given."""
-  index = jnp.arange(mask.segment.shape[1])
-  return allowed(mask, mask, index, index)
+  return allowed(mask, mask)
 
 
 class _Summary(NamedTuple):
@@ -104,7 +114,7 @@ def _summary(mask: TokenMask, tile: int) -> _Summary:
   tiles = lambda a: a.reshape(b, t // tile, tile)
   live = tiles(mask.segment != 0)
   noisy = tiles(mask.noisy)
-  index = tiles(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+  index = tiles(mask.index)
 
   def span(values, where):
     return (jnp.min(jnp.where(where, values, _BIG), axis=-1),
@@ -145,75 +155,72 @@ def _bias(visible: Array) -> Array:
 
 
 def _layout(q: Array, k: Array, v: Array, tile: int):
-  """[b, T, h, d], [b, T, kvh, d] -> tiles: q [n, b, kvh, g, tile, d] (scaled by
-  1/sqrt(d)), k and v [n, b, kvh, tile, d]."""
-  b, t, h, d = q.shape
+  """[b, tq, h, d], [b, tk, kvh, d] -> tiles: q [nq, b, kvh, g, tile, d] (scaled by
+  1/sqrt(d)), k and v [nk, b, kvh, tile, d]."""
+  b, tq, h, d = q.shape
   kvh = k.shape[2]
-  n = t // tile
-  q = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, n, tile, kvh, h // kvh, d)
+  q = (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, tq // tile, tile, kvh, h // kvh, d)
   q = q.transpose(1, 0, 3, 4, 2, 5)
-  kv = lambda a: a.reshape(b, n, tile, kvh, d).transpose(1, 0, 3, 2, 4)
+  kv = lambda a: a.reshape(b, a.shape[1] // tile, tile, kvh, d).transpose(1, 0, 3, 2, 4)
   return q, kv(k), kv(v)
 
 
-def _forward(q, k, v, mask: TokenMask, tile: int):
-  """-> (out [b, T, h, d] in v's dtype, residuals for the backward)."""
-  b, t, h, d = q.shape
-  # The mask's vectors tied to q: what the tiles compute from them then depends on q, so a
-  # remat around the layer recomputes it in the backward instead of stacking every
+def _forward(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
+  """-> (out [b, tq, h, d] in v's dtype, residuals for the backward)."""
+  b, tq, h, d = q.shape
+  # The masks' vectors tied to q: what the tiles compute from them then depends on q, so
+  # a remat around the layer recomputes it in the backward instead of stacking every
   # tile's mask as a residual ([T, T] in all).
-  q, fields = jax.lax.optimization_barrier((q, mask.fields()))
-  mask = TokenMask(*fields, causal_blocks=mask.causal_blocks)
+  q, q_fields, k_fields = jax.lax.optimization_barrier((q, q_mask.fields(), k_mask.fields()))
+  q_mask = TokenMask(*q_fields, causal_blocks=q_mask.causal_blocks)
+  k_mask = TokenMask(*k_fields, causal_blocks=q_mask.causal_blocks)
   qt, kt, vt = _layout(q, k, v, tile)
-  summary = _summary(mask, tile)
-  n, kvh, g = qt.shape[0], kt.shape[2], qt.shape[3]
-  index = jnp.arange(tile, dtype=jnp.int32)
+  q_sum, k_sum = _summary(q_mask, tile), _summary(k_mask, tile)
+  nk, kvh, g = kt.shape[0], kt.shape[2], qt.shape[3]
 
   def query_tile(i):
-    qi, mi = qt[i], _tile_mask(mask, i, tile)
+    qi, mi = qt[i], _tile_mask(q_mask, i, tile)
 
     def key_tile(j, carry):
       def update(carry):
         m, l, acc = carry
-        visible = allowed(mi, _tile_mask(mask, j, tile), i * tile + index, j * tile + index)
-        s = _scores(qi, kt[j]) + _bias(visible)
+        s = _scores(qi, kt[j]) + _bias(allowed(mi, _tile_mask(k_mask, j, tile)))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         decay = jnp.exp(m - m_new)
         pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vt.dtype), vt[j],
                         preferred_element_type=jnp.float32)
         return m_new, l * decay + jnp.sum(p, axis=-1), acc * decay[..., None] + pv
-      return jax.lax.cond(_nonempty(summary, i, summary, j, mask.causal_blocks), update,
+      return jax.lax.cond(_nonempty(q_sum, i, k_sum, j, q_mask.causal_blocks), update,
                           lambda c: c, carry)
 
     init = (jnp.full((b, kvh, g, tile), _FLOOR, jnp.float32),
             jnp.zeros((b, kvh, g, tile), jnp.float32),
             jnp.zeros((b, kvh, g, tile, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n, key_tile, init)
+    m, l, acc = jax.lax.fori_loop(0, nk, key_tile, init)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
     return out.astype(v.dtype), jnp.where(l > 0, m + jnp.log(l), jnp.inf)
 
-  out, lse = jax.lax.map(query_tile, jnp.arange(n))   # [n, b, kvh, g, tile, (d)]
-  merged = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, h, d)
-  return merged, (q, k, v, mask, out, lse)
+  out, lse = jax.lax.map(query_tile, jnp.arange(qt.shape[0]))   # [nq, b, kvh, g, tile, (d)]
+  merged = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d)
+  return merged, (q, k, v, q_mask, k_mask, out, lse)
 
 
 def _backward(tile: int, residuals, d_out: Array):
-  q, k, v, mask, out, lse = residuals
-  b, t, h, d = q.shape
+  q, k, v, q_mask, k_mask, out, lse = residuals
+  b, tq, h, d = q.shape
   qt, kt, vt = _layout(q, k, v, tile)
-  n, kvh, g = qt.shape[0], kt.shape[2], qt.shape[3]
+  nq, nk, kvh, g = qt.shape[0], kt.shape[0], kt.shape[2], qt.shape[3]
   scale = 1.0 / jnp.sqrt(jnp.float32(d))
-  summary = _summary(mask, tile)
-  index = jnp.arange(tile, dtype=jnp.int32)
-  do = d_out.reshape(b, n, tile, kvh, g, d).transpose(1, 0, 3, 4, 2, 5)  # as qt
+  q_sum, k_sum = _summary(q_mask, tile), _summary(k_mask, tile)
+  nonempty = lambda i, j: _nonempty(q_sum, i, k_sum, j, q_mask.causal_blocks)
+  do = d_out.reshape(b, nq, tile, kvh, g, d).transpose(1, 0, 3, 4, 2, 5)  # as qt
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [n,b,k,g,tq]
 
   def probs(i, j):
     """Tile (i, j)'s probabilities and their score gradients' factor: float32
     [b, kvh, g, tile, tile] each."""
-    visible = allowed(_tile_mask(mask, i, tile), _tile_mask(mask, j, tile), i * tile + index,
-                      j * tile + index)
+    visible = allowed(_tile_mask(q_mask, i, tile), _tile_mask(k_mask, j, tile))
     p = jnp.exp(_scores(qt[i], kt[j]) + _bias(visible) - lse[i][..., None])
     dp = jnp.einsum("bkgqd,bksd->bkgqs", do[i], vt[j], preferred_element_type=jnp.float32)
     return p, p * (dp - delta[i][..., None])
@@ -224,9 +231,8 @@ def _backward(tile: int, residuals, d_out: Array):
         _, ds = probs(i, j)
         return acc + jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(kt.dtype), kt[j],
                                 preferred_element_type=jnp.float32)
-      return jax.lax.cond(_nonempty(summary, i, summary, j, mask.causal_blocks), update,
-                          lambda a: a, acc)
-    return jax.lax.fori_loop(0, n, key_tile, jnp.zeros((b, kvh, g, tile, d), jnp.float32))
+      return jax.lax.cond(nonempty(i, j), update, lambda a: a, acc)
+    return jax.lax.fori_loop(0, nk, key_tile, jnp.zeros((b, kvh, g, tile, d), jnp.float32))
 
   def dkv_tile(j):
     def query_tile(i, acc):
@@ -238,25 +244,25 @@ def _backward(tile: int, residuals, d_out: Array):
         dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(qt.dtype), qt[i],
                              preferred_element_type=jnp.float32)
         return dk, dv
-      return jax.lax.cond(_nonempty(summary, i, summary, j, mask.causal_blocks), update,
-                          lambda a: a, acc)
+      return jax.lax.cond(nonempty(i, j), update, lambda a: a, acc)
     zeros = jnp.zeros((b, kvh, tile, d), jnp.float32)
-    return jax.lax.fori_loop(0, n, query_tile, (zeros, zeros))
+    return jax.lax.fori_loop(0, nq, query_tile, (zeros, zeros))
 
-  dq = jax.lax.map(dq_tile, jnp.arange(n))            # [n, b, kvh, g, tile, d]
-  dk, dv = jax.lax.map(dkv_tile, jnp.arange(n))       # [n, b, kvh, tile, d]
-  dq = (dq * scale).transpose(1, 0, 4, 2, 3, 5).reshape(b, t, h, d).astype(q.dtype)
+  dq = jax.lax.map(dq_tile, jnp.arange(nq))            # [nq, b, kvh, g, tile, d]
+  dk, dv = jax.lax.map(dkv_tile, jnp.arange(nk))       # [nk, b, kvh, tile, d]
+  dq = (dq * scale).transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d).astype(q.dtype)
   kv_back = lambda a, like: a.transpose(1, 0, 3, 2, 4).reshape(like.shape).astype(like.dtype)
-  return dq, kv_back(dk, k), kv_back(dv, v), None
+  return dq, kv_back(dk, k), kv_back(dv, v), None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q: Array, k: Array, v: Array, mask: TokenMask, tile: int) -> Array:
-  return _forward(q, k, v, mask, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: TokenMask,
+               tile: int) -> Array:
+  return _forward(q, k, v, q_mask, k_mask, tile)[0]
 
 
-def _attention_fwd(q, k, v, mask, tile):
-  return _forward(q, k, v, mask, tile)
+def _attention_fwd(q, k, v, q_mask, k_mask, tile):
+  return _forward(q, k, v, q_mask, k_mask, tile)
 
 
 _attention.defvjp(_attention_fwd, _backward)
@@ -269,17 +275,47 @@ def _pad(a: Array, length: int, value=0) -> Array:
 
 
 def flash_attention(q: Array, k: Array, v: Array, mask: TokenMask, *,
-                    tile: int = TILE) -> Array:
-  """Grouped-query self-attention over the pass `mask` describes.
+                    key_mask: TokenMask | None = None, tile: int = TILE) -> Array:
+  """Grouped-query attention over the pass `mask` describes.
 
-  q: [b, T, heads, d]; k, v: [b, T, kv_heads, d]; mask: a TokenMask of [b, T] fields
-  -> [b, T, heads, d] in v's dtype. T is padded to whole tiles inside (padding is
-  segment 0); a tile of `tile` positions, or T rounded up to 8 when that is shorter.
+  q: [b, tq, heads, d]; k, v: [b, tk, kv_heads, d]; mask: a TokenMask of the queries
+  ([b, tq] fields); key_mask: the keys' ([b, tk] fields), default `mask` (self-attention
+  over one pass, tq = tk) -> [b, tq, heads, d] in v's dtype. Queries and keys are padded
+  to whole tiles inside (padding is segment 0); a tile of `tile` positions, or the longer
+  of tq and tk rounded up to 8 when that is shorter.
   """
-  t = q.shape[1]
-  tile = min(tile, -(-t // 8) * 8)
-  length = -(-t // tile) * tile
-  if length != t:
-    q, k, v = (_pad(a, length) for a in (q, k, v))
-    mask = mask.map(lambda a: _pad(a, length))
-  return _attention(q, k, v, mask, tile)[:, :t]
+  key_mask = mask if key_mask is None else key_mask
+  tq, tk = q.shape[1], k.shape[1]
+  tile = min(tile, -(-max(tq, tk) // 8) * 8)
+  whole = lambda t: -(-t // tile) * tile
+  if whole(tq) != tq:
+    q, mask = _pad(q, whole(tq)), mask.map(lambda a: _pad(a, whole(tq)))
+  if whole(tk) != tk:
+    k, v = _pad(k, whole(tk)), _pad(v, whole(tk))
+    key_mask = key_mask.map(lambda a: _pad(a, whole(tk)))
+  return _attention(q, k, v, mask, key_mask, tile)[:, :tq]
+
+
+def tile_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
+               tile: int = TILE) -> Array:
+  """How many [tile, tile] tiles of scores `flash_attention` computes for these queries
+  and keys (every tile pair of every row, less those it skips): int32[]. Its attention
+  FLOPs are 4 * tile^2 * head_dim * heads per tile pair forward, twice that backward."""
+  key_mask = mask if key_mask is None else key_mask
+  whole = lambda m: m.map(lambda a: _pad(a, -(-a.shape[1] // tile) * tile))
+  q_sum, k_sum = _summary(whole(mask), tile), _summary(whole(key_mask), tile)
+  nq, nk = q_sum.clean_seg[0].shape[1], k_sum.clean_seg[0].shape[1]
+  pair = lambda i, j: _nonempty(q_sum, i, k_sum, j, mask.causal_blocks)
+  run = jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(jnp.arange(nq), jnp.arange(nk))
+  return jnp.sum(run, dtype=jnp.int32)
+
+
+def allowed_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
+                  tile: int = TILE) -> Array:
+  """How many (query, key) pairs the mask allows, over all rows: int32[] (counted a
+  query tile at a time, nothing [T, T] held)."""
+  key_mask = mask if key_mask is None else key_mask
+  length = -(-mask.segment.shape[1] // tile) * tile
+  padded = mask.map(lambda a: _pad(a, length))
+  count = lambda i: jnp.sum(allowed(_tile_mask(padded, i, tile), key_mask), dtype=jnp.int32)
+  return jnp.sum(jax.lax.map(count, jnp.arange(length // tile)))

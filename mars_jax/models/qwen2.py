@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mars_jax.models import attention
+from mars_jax.models import attention, context
 from mars_jax.models.attention import Spans, cached_attention, uncached_attention
 from mars_jax.models.flash import TokenMask
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
@@ -223,7 +223,15 @@ class Qwen2ForCausalLM(nn.Module):
     the cache buffer is donated (the sampler's while_loop carry). dropout_rows: see
     `low_rank`."""
     c = self.config
-    if not attention.keeps_token_mask(self.runtime.attention_impl, tokens.shape[1]):
+    length, shards = tokens.shape[1], context.size() if cache is None else 1
+    if shards > 1:  # context parallelism: the positions dealt out over the shards
+      if not isinstance(attn_mask, TokenMask):
+        raise ValueError("context parallelism (a mesh whose `context` axis is > 1) needs "
+                         "the pass's mask per token (flash.TokenMask), not a bool[b, t, t] "
+                         "array.")
+      split = lambda a: context.split(a, shards)
+      tokens, positions, attn_mask = split(tokens), split(positions), attn_mask.map(split)
+    elif not attention.keeps_token_mask(self.runtime.attention_impl, length):
       attn_mask = attention.dense(attn_mask)  # drawn out once, not in every layer
     x = jnp.take(self.embedding, tokens, axis=0)
     if self.mask_id is not None:
@@ -243,6 +251,8 @@ class Qwen2ForCausalLM(nn.Module):
       rows = jnp.arange(tokens.shape[0])[:, None]
       cache = {n: cache[n].at[:, rows, :, write_index].set(
           new_kv[n].transpose(1, 2, 0, 3, 4), mode="drop") for n in ("k", "v")}
+    if shards > 1:
+      x = context.merge(x, shards, length)
     return constrain(self.final_norm(x), EMBED_AXES), cache
 
   def unembed(self, hidden):

@@ -1,9 +1,11 @@
 """Device mesh, logical axis rules, and the shardings of params, optimizer state and batches.
 
-The mesh has three axes:
+The mesh has four axes:
 
   data     pure data parallelism: batch split, params replicated
   fsdp     batch split and params sharded on their `embed` axis (ZeRO-3 style)
+  context  context parallelism: each row's positions split (`mars_jax.models.context`),
+           params sharded on `embed` with fsdp's
   tensor   Megatron-style: heads, kv_heads, mlp and vocab split
 
 Weights and activations carry logical axis names (see `mars_jax.models.qwen2` and
@@ -17,10 +19,11 @@ compiler elsewhere:
 
   activation_batch                            data, fsdp
   activation_heads, _kv_heads, _mlp, _vocab   tensor
-  activation_length, activation_embed         replicated
+  activation_length                           context
+  activation_embed                            replicated
 
-Decoding uses `DECODE_RULES`, the same table with `embed` unsplit (see
-`mars_jax.decoding.mesh`).
+Decoding uses `DECODE_RULES`, the same table with `embed` and `activation_length`
+unsplit (see `mars_jax.decoding.mesh`); a decoding mesh has no context axis.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mars_jax.models import qwen2
 from mars_jax.models.layers import fit_spec  # noqa: F401  (re-exported)
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -48,7 +51,7 @@ LOGICAL_AXIS_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
@@ -58,13 +61,14 @@ LOGICAL_AXIS_RULES: Rules = (
     ("activation_kv_heads", "tensor"),
     ("activation_mlp", "tensor"),
     ("activation_vocab", "tensor"),
-    ("activation_length", None),
+    ("activation_length", "context"),
     ("activation_embed", None),
 )
 
 # Decoding: the training table with `embed` unsplit, so a decoding forward gathers no
-# weights over fsdp (an fsdp axis of a decoding mesh splits rows, like data).
-DECODE_RULES: Rules = tuple((name, None if name == "embed" else axes)
+# weights over fsdp (an fsdp axis of a decoding mesh splits rows, like data), and the
+# positions unsplit.
+DECODE_RULES: Rules = tuple((name, None if name in ("embed", "activation_length") else axes)
                             for name, axes in LOGICAL_AXIS_RULES)
 
 
@@ -74,10 +78,12 @@ class MeshConfig:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  context: int = 1
 
-  def shape(self, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) for `num_devices` devices, or a ValueError that says why not."""
-    sizes = [self.data, self.fsdp, self.tensor]
+  def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+    """The sizes in `AXES` order (data, fsdp, context, tensor) for `num_devices`
+    devices, or a ValueError that says why not."""
+    sizes = [getattr(self, a) for a in AXES]
     desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, sizes))
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
       raise ValueError(f"mesh {desc}: each size must be >= 1, and at most one may be -1.")
@@ -95,7 +101,7 @@ class MeshConfig:
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[Any] | None = None) -> Mesh:
-  """A `Mesh` with axes (data, fsdp, tensor) over `devices` (default: all devices)."""
+  """A `Mesh` with axes (data, fsdp, context, tensor) over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = config.shape(len(devices))
   return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),

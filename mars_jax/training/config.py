@@ -28,7 +28,8 @@ anything is compiled.
                     paper's fixed partition position // B
   optimizer.*       mars_jax.training.optimizer.OptimizerConfig (total_steps comes from train.steps)
   data.*            mars_jax.data.default_config()
-  mesh.*            mars_jax.parallel.sharding.MeshConfig (data, fsdp, tensor; one may be -1)
+  mesh.*            mars_jax.parallel.sharding.MeshConfig (data, fsdp, tensor, context;
+                    one may be -1; context > 1 splits each row's positions)
   train.*           batch_size (global), micro_batches, steps (None: from data epochs),
                     seed, log_every, eval_every, eval_batches (0: no eval loss; a
                     file source without data.num_eval has none), checkpoint_every,
@@ -75,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
       learning_rate=5e-6, warmup_ratio=0.03, decay="cosine", final_lr_ratio=0.0,
       weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, max_grad_norm=1.0))
   c.data = data_lib.default_config()
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, context=1))
   c.train = ml_collections.ConfigDict(dict(
       batch_size=32, micro_batches=1, steps=placeholder(int), seed=0, log_every=10,
       eval_every=200, eval_batches=4, checkpoint_every=200, max_to_keep=3,

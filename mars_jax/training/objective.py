@@ -190,6 +190,17 @@ def two_stream_inputs(batch: Batch, *, block_size: int, mask_token_id: int,
   return tokens, positions, flash.dense_mask(mask)
 
 
+def two_stream_token_mask(batch: Batch, *, block_size: int, stream_length: int | None = None,
+                          intra_block: IntraBlock = "causal") -> flash.TokenMask:
+  """The mask of the MARS pass over `batch` as the train step builds it, per token:
+  [clean row (L) | target stream (n = stream_length, default L)] -> a TokenMask of
+  [b, L + n] fields (`mars_jax.benchmarks.plan` counts the attention's tiles with it)."""
+  f = prepare(batch)
+  stream = target_stream(f, block_size, min(stream_length or f["tokens"].shape[1],
+                                            f["tokens"].shape[1]))
+  return _two_stream(f, stream, block_size, 0, intra_block)[2]
+
+
 def running_count(flags: Array) -> Array:
   """bool[b, L] -> int32[b, L]: how many flags are set up to each position (a cumsum
   along the row). An associative scan rather than `jnp.cumsum`, whose reduce-window XLA
@@ -310,10 +321,10 @@ def _two_stream(f: dict[str, Array], stream: dict[str, Array], block_size: int,
   # the mask from block positions: a per-row shift keeps every order inside the row
   block_pos = jnp.concatenate([f["block_pos"], _gather(f["block_pos"], stream)], axis=1)
   stream_of = jnp.concatenate([jnp.zeros_like(f["loss_mask"]), stream["valid"]], axis=1)
-  attn_mask = flash.TokenMask(jnp.concatenate([f["segment_ids"], noisy_seg], axis=1),
-                              stream_of, block_pos, block_pos // block_size,
-                              causal_blocks=choices.check(IntraBlock, intra_block,
-                                                          "intra_block") == "causal")
+  segments = jnp.concatenate([f["segment_ids"], noisy_seg], axis=1)
+  causal_blocks = choices.check(IntraBlock, intra_block, "intra_block") == "causal"
+  attn_mask = flash.TokenMask(segments, stream_of, block_pos, block_pos // block_size,
+                              flash.pass_index(segments), causal_blocks=causal_blocks)
   return tokens, positions, attn_mask
 
 

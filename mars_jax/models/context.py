@@ -1,0 +1,100 @@
+"""Context parallelism: the positions of each row split over the mesh axes that the logical
+axis `activation_length` maps to (the `context` axis of `mars_jax.parallel.sharding`),
+for an uncached pass whose mask is per token (`flash.TokenMask`).
+
+A transformer whose positions (RoPE) and mask (each token's own vectors, its place in
+the pass included) travel with its tokens is the same function of any order of them. So
+the pass is dealt out round robin before the first layer (`split`: position p to shard
+p mod c of c), every shard holding early and late positions of both streams, and causal
+attention costs every shard the same (the load balancing a contiguous split lacks: its
+last shard would score c times the keys of its first); `merge` puts the final hidden
+states back in order. Everything but attention is per position, and runs on each
+shard's positions as they are; attention (`attention`) runs each shard's queries against
+every shard's keys, K, V and the keys' mask vectors all-gathered over the context axes,
+through `flash.flash_attention` (its backward reduce-scatters dK and dV). Nothing of
+shape [T, T] exists; per device a layer holds its T / c queries and the row's K and V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mars_jax.models import flash
+from mars_jax.models.layers import HEADS_AXES, KV_HEADS_AXES, fit_spec
+
+Array = jax.Array
+TOKEN_AXES = ("activation_batch", "activation_length")
+
+
+def axes() -> tuple[str, ...]:
+  """The mesh axes of more than one device that `activation_length` maps to under the
+  rules bound by `sharding.activation_sharding` (none without them)."""
+  rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty:
+    return ()
+  spec = nn.logical_to_mesh_axes(("activation_length",), rules)[0]
+  names = (spec,) if isinstance(spec, str) else tuple(spec or ())
+  return tuple(a for a in names if mesh.shape[a] > 1)
+
+
+def size() -> int:
+  """How many shards the positions of a row are split into (1: no context parallelism)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in axes())
+
+
+def split(a: Array, shards: int) -> Array:
+  """a: [b, t, ...] -> [b, T, ...] `stripe`d, T = t rounded up to a multiple of the
+  shards (zeros after t: padding, segment 0 in a mask)."""
+  b, t = a.shape[:2]
+  pad = -(-t // shards) * shards - t
+  return stripe(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), shards)
+
+
+def merge(a: Array, shards: int, length: int) -> Array:
+  """The inverse of `split`: [b, T, ...] -> [b, length, ...] in order."""
+  return unstripe(a, shards)[:, :length]
+
+
+def stripe(a: Array, shards: int) -> Array:
+  """a: [b, T, ...] (T a multiple of shards) -> the same positions dealt out round
+  robin: shard s's T / shards positions are s, s + shards, s + 2 shards, ..."""
+  b, t = a.shape[:2]
+  return a.reshape(b, t // shards, shards, *a.shape[2:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def unstripe(a: Array, shards: int) -> Array:
+  """The inverse of `stripe`: [b, T, ...] dealt out -> in order."""
+  b, t = a.shape[:2]
+  return a.reshape(b, shards, t // shards, *a.shape[2:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
+  """Grouped-query attention of a pass whose positions are split over the context axes
+  (each shard's queries against the keys of all).
+
+  q: [b, T, heads, d]; k, v: [b, T, kv_heads, d]; mask: the pass's TokenMask ([b, T]
+  fields), every array in the same (striped) order -> [b, T, heads, d]. Batch, heads and
+  positions are split as their logical axes say; kv heads that the tensor axes do not
+  split like the query heads are repeated to one per query head first.
+  """
+  rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+  spec = lambda x, names: fit_spec(nn.logical_to_mesh_axes(names, rules), x.shape, mesh)
+  q_spec, kv_spec = spec(q, HEADS_AXES), spec(k, KV_HEADS_AXES)
+  if kv_spec[2] != q_spec[2]:
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    kv_spec = q_spec
+  token_spec = spec(mask.segment, TOKEN_AXES)
+  gathered = axes()
+
+  def local(q, k, v, mask):
+    gather = lambda a: jax.lax.all_gather(a, gathered, axis=1, tiled=True)
+    return flash.flash_attention(q, gather(k), gather(v), mask, key_mask=mask.map(gather))
+
+  mask_spec = mask.map(lambda _: token_spec)
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, mask_spec),
+                       out_specs=q_spec, check_vma=False)(q, k, v, mask)

@@ -210,3 +210,24 @@ def test_cli_errors_are_one_line():
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1].startswith("error: unknown topology 'v4-8'")
   assert "Traceback" not in r.stderr
+
+
+def test_plan_compiles_context_parallel_mars_and_counts_the_attention_work():
+  """A MARS step with each row's positions split over 4 devices (fsdp 2 x context 4 on
+  an H100 node, blockwise attention) compiles and fits; the plan counts the tiles the
+  attention runs on one row (1.26x the pairs the mask allows at this short row, whose
+  diagonal tiles are a larger share; 1.15x from 4096 a stream, `test_flash`) and per
+  context shard (the same on every shard, within 10%), and prints them."""
+  needs("h100-8")
+  cfg = tiny_cfg("mars", fsdp=2, context=4)
+  cfg.model.attention_impl = "flash"
+  cfg.data.max_length = cfg.objective.stream_length = 1024
+  cfg.train.batch_size, cfg.train.micro_batches = 2, 1
+  report = plan.plan(cfg, "tiny", "h100-8", search=False)
+  assert report["train"]["mesh"] == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+  assert report["train"]["fits"]
+  work = report["attention_work"]
+  assert work["positions"] == 2048 and 1.0 <= work["ratio"] <= 1.3, work
+  shards = work["shard_tiles"]
+  assert len(shards) == 4 and max(shards) <= 1.1 * min(shards), shards
+  assert f"{work['ratio']:.3f}x the FLOPs the mask allows" in plan.format_table(report)

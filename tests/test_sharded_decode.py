@@ -154,6 +154,8 @@ def test_decode_rules_leave_embed_and_positions_unsplit_and_buckets_divide_over_
   assert decode_mesh.parse_mesh("tensor=8") == sharding.MeshConfig(-1, 1, 8)
   with pytest.raises(ValueError, match="AXIS=SIZE"):
     decode_mesh.parse_mesh("model=8")
+  with pytest.raises(ValueError, match="decoding has no context axis"):
+    decode_mesh.parse_mesh("data=2,context=4")
   with pytest.raises(ValueError, match="e.g. tensor=1"):
     decode_mesh.mesh_from_flag("tensor=3")
 

@@ -1,7 +1,8 @@
 """Decoding on a mesh: where the weights and the loop state live, the `--mesh` flag, and
 the decode loop lowered for any mesh without allocating anything (`lower_decode`).
 
-A decoding mesh has the training axes (data, fsdp, tensor) and its own rule table,
+A decoding mesh has the training axes but context (data, fsdp, tensor) and its own
+rule table,
 `sharding.DECODE_RULES`: training's, with `embed` unsplit (a decoding forward gathers
 no weights), so an fsdp axis splits rows, as data does:
 
@@ -86,9 +87,14 @@ def parse_mesh(text: str) -> sharding.MeshConfig:
   sizes = {}
   for part in text.split(","):
     name, _, size = part.partition("=")
-    if name.strip() not in sharding.AXES or not size.strip().lstrip("-").isdigit():
+    axes = [a for a in sharding.AXES if a != "context"]
+    if name.strip() == "context":
+      raise ValueError(f"mesh {text!r}: decoding has no context axis (context parallelism "
+                       "splits training rows); split rows with data or fsdp and heads with "
+                       "tensor.")
+    if name.strip() not in axes or not size.strip().lstrip("-").isdigit():
       raise ValueError(f"mesh {text!r}: expected AXIS=SIZE pairs joined by commas, "
-                       f"AXIS one of {', '.join(sharding.AXES)} (e.g. tensor=8 or "
+                       f"AXIS one of {', '.join(axes)} (e.g. tensor=8 or "
                        "data=2,tensor=4).")
     sizes[name.strip()] = int(size)
   return sharding.MeshConfig(**sizes)

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 TILE = 128  # positions per query and key tile
@@ -311,11 +312,12 @@ def tile_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
 
 
 def allowed_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
-                  tile: int = TILE) -> Array:
-  """How many (query, key) pairs the mask allows, over all rows: int32[] (counted a
-  query tile at a time, nothing [T, T] held)."""
+                  tile: int = TILE) -> int:
+  """How many (query, key) pairs the mask allows, over all rows (counted a query tile
+  at a time, nothing [T, T] held; added up in int64 on the host: a 128k-token MARS row
+  allows more than 2^31)."""
   key_mask = mask if key_mask is None else key_mask
   length = -(-mask.segment.shape[1] // tile) * tile
   padded = mask.map(lambda a: _pad(a, length))
   count = lambda i: jnp.sum(allowed(_tile_mask(padded, i, tile), key_mask), dtype=jnp.int32)
-  return jnp.sum(jax.lax.map(count, jnp.arange(length // tile)))
+  return int(np.sum(np.asarray(jax.lax.map(count, jnp.arange(length // tile))), dtype=np.int64))

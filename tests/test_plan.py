@@ -212,6 +212,7 @@ def test_cli_errors_are_one_line():
   assert "Traceback" not in r.stderr
 
 
+@pytest.mark.e2e
 def test_plan_compiles_context_parallel_mars_and_counts_the_attention_work():
   """A MARS step with each row's positions split over 4 devices (fsdp 2 x context 4 on
   an H100 node, blockwise attention) compiles and fits; the plan counts the tiles the

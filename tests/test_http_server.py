@@ -276,10 +276,27 @@ BAD = [
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": 3}]},
      "messages[0].content"),
     ("chat/completions", [1, 2], None),
+    # crafted to overflow the engine's int32 / float32 arrays, or to flood its stop scan
+    ("completions", {"model": NAME, "prompt": "x", "top_k": 2 ** 64}, "top_k"),
+    ("completions", {"model": NAME, "prompt": "x", "top_k": 2 ** 20}, None),  # > vocab
+    ("completions", {"model": NAME, "prompt": "x", "stop_token_ids": [2 ** 31]},
+     "stop_token_ids"),
+    ("completions", {"model": NAME, "prompt": "x", "stop_token_ids": [10 ** 6]}, None),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": 2 ** 70}, "max_tokens"),
+    ("completions", {"model": NAME, "prompt": [1, 2 ** 40]}, "prompt"),
+    ("completions", f'{{"model": "{NAME}", "prompt": "x", "temperature": 1e400}}'.encode(),
+     "temperature"),
+    ("completions", f'{{"model": "{NAME}", "prompt": "x", "top_p": NaN}}'.encode(), "top_p"),
+    ("completions", {"model": NAME, "prompt": "x", "temperature": 1e39}, "temperature"),
+    ("completions", {"model": NAME, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
+     "stop"),
+    ("completions", {"model": NAME, "prompt": "x", "stop": ["z" * 257]}, "stop"),
 ]
 
 
 def test_bad_requests_are_answered_400_and_the_server_keeps_serving(live):
+  """Each bad body is answered 400 naming its field (the crafted ones that once stopped
+  the engine included), and the engine goes on: a reply, and /health 200, after them."""
   for endpoint, body, param in BAD:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{live.url}/v1/{endpoint}", content=content,
@@ -292,6 +309,7 @@ def test_bad_requests_are_answered_400_and_the_server_keeps_serving(live):
     live.client().completions.create(model=NAME, prompt="x", extra_body={"tau": -1})
   text, reason, _ = complete(live.client(), PROMPTS[0], max_tokens=5)
   assert reason == "length" and text
+  assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200
 
 
 def test_a_disconnect_mid_stream_does_not_stall_the_next_requests(live):

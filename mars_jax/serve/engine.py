@@ -181,6 +181,11 @@ class _Core:
     except ValueError as e:  # the request's own fault: HTTP 400
       self.events.append((fid, Error(str(e), 400)))
       return True
+    except Exception as e:  # noqa: BLE001 - the engine's fault: this request hears it
+      log.exception("admitting a request raised; it fails, the engine goes on")
+      self.events.append((fid, Error(f"the server could not admit the request: "
+                                     f"{type(e).__name__}: {e}", 500)))
+      return True
     self.ids[fid], self.front[rid] = rid, fid
     self.metrics.prompt_tokens += len(prompt)
     self.events.append((fid, Accepted()))
@@ -209,11 +214,16 @@ class _Core:
         self.events.append((fid, Done(c)))
 
   def fail_round(self, error: BaseException) -> None:
-    """Fails the requests the round ran (its rows) and starts from a fresh state."""
+    """Fails the requests the round ran (its rows, and any it finished before it raised,
+    whose answers it never sent) and starts from a fresh state; the queue is kept. A
+    request cancelled meanwhile has no one to answer."""
     log.exception("a decoding round failed; its requests fail, the engine goes on")
     self.metrics.failed_rounds += 1
     self.metrics.last_failure = f"{type(error).__name__}: {error}"
-    for rid in self.server.reset():
+    self.server.reset()
+    queued = {r.request_id for r in self.server.queue}
+    for rid in [r for r in self.front if r not in queued]:
+      self.server.completed.pop(rid, None)
       fid = self.front.pop(rid)
       del self.ids[fid]
       self.metrics.failed += 1

@@ -19,6 +19,7 @@ vLLM has them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import time
 import uuid
@@ -29,6 +30,12 @@ from mars_jax.core.choices import Metric, Mode
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # what the OpenAI completions API defaults to
 SEED_RANGE = 1 << 32
+INT32_RANGE = 1 << 31   # token ids, top_k and budgets: the engine keeps them as int32
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_STOPS = 4           # stop strings a request may give, as the OpenAI API allows
+MAX_STOP_CHARS = 256    # characters a stop string may have (our bound: each is scanned
+                        # for after every token of its row)
+MAX_STOP_IDS = 64       # stop token ids a request may give
 
 
 class RequestError(ValueError):
@@ -77,7 +84,10 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool)
+  """An int or float of JSON that is finite (JSON's NaN and Infinity, and 1e400, are
+  not)."""
+  return (isinstance(v, (int, float)) and not isinstance(v, bool)
+          and (isinstance(v, int) or math.isfinite(v)))
 
 
 def _typed(body: dict, name: str, check, expected: str, default=None):
@@ -129,27 +139,34 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
   if chat and body.get("max_completion_tokens") is not None:
     max_tokens = _typed(body, "max_completion_tokens", _is_int, "an integer")
   if max_tokens is not None:
-    _ranged("max_tokens", max_tokens, max_tokens >= 1, ">= 1")
+    _ranged("max_tokens", max_tokens, 1 <= max_tokens < INT32_RANGE, ">= 1 (and < 2**31)")
   elif not chat:
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
   temperature = _typed(body, "temperature", _is_number, "a number")
   if temperature is not None:
-    temperature = _ranged("temperature", float(temperature), 0 <= temperature,
-                          ">= 0 (0: greedy)")
+    temperature = _ranged("temperature", temperature, 0 <= temperature <= FLOAT32_MAX,
+                          ">= 0 and finite (0: greedy)")
+    temperature = float(temperature)
   top_p = _typed(body, "top_p", _is_number, "a number")
   if top_p is not None:
     top_p = _ranged("top_p", float(top_p), 0 < top_p <= 1, "in (0, 1]")
   top_k = _typed(body, "top_k", _is_int, "an integer")
   if top_k is not None:
     top_k = 0 if top_k == -1 else top_k           # vLLM's "off"
-    _ranged("top_k", top_k, top_k >= 0, ">= 0 (0 or -1: off)")
+    _ranged("top_k", top_k, 0 <= top_k < INT32_RANGE, ">= 0 (0 or -1: off) and at most "
+            "the vocabulary")
   stop = _typed(body, "stop", lambda v: isinstance(v, str) or (
       isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of "
       "strings", [])
   stop = [stop] if isinstance(stop, str) else stop
-  _ranged("stop", stop, all(stop), "non-empty strings")
+  _ranged("stop", stop, all(stop) and len(stop) <= MAX_STOPS and all(
+      len(s) <= MAX_STOP_CHARS for s in stop),
+      f"at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
   stop_ids = _typed(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
       _is_int(t) for t in v), "a list of integers", [])
+  _ranged("stop_token_ids", stop_ids, len(stop_ids) <= MAX_STOP_IDS and all(
+      0 <= t < INT32_RANGE for t in stop_ids),
+      f"at most {MAX_STOP_IDS} token ids of the vocabulary")
   seed = _typed(body, "seed", _is_int, "an integer")
   if seed is not None:
     _ranged("seed", seed, 0 <= seed < SEED_RANGE, "in [0, 2**32)")
@@ -208,7 +225,8 @@ def parse_completion(body: Any, *, model_name: str) -> Spec:
   if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
     prompt = prompt[0]
   if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-    pass
+    _ranged("prompt", "[...]", all(0 <= t < INT32_RANGE for t in prompt),
+            "token ids of the vocabulary")
   elif not (isinstance(prompt, str) and prompt):
     raise RequestError("'prompt' must be a non-empty string or a non-empty list of token "
                        "ids (one prompt per request).", "prompt")

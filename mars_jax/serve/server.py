@@ -281,6 +281,14 @@ class Server:
                        f"{self.max_window}] (the server's max_window).")
     mode = self.mode if mode is None else mode
     choices.check(Mode, mode, "mode")
+    vocab = self.config.vocab_size
+    if not 0 <= top_k <= vocab:
+      raise ValueError(f"top_k={top_k}; expected an int in [0, {vocab}] (the vocabulary; "
+                       "0: off).")
+    outside = [t for t in stop_token_ids if not 0 <= t < vocab]
+    if outside:
+      raise ValueError(f"stop_token_ids {outside[:4]} are outside the vocabulary [0, "
+                       f"{vocab}).")
     controls = dict(tau=float(self.tau if tau is None else tau),
                     metric=self.metric if metric is None else metric,
                     temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),

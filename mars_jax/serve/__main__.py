@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--mesh", default=None, help="decode on a mesh, e.g. tensor=8 (see generate)")
   p.add_argument("--shutdown-timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM")
+  p.add_argument("--max-restarts", type=int, default=3,
+                 help="engine deaths (a crash, the OOM killer) within 10 minutes that are "
+                      "restarted; one more and the server exits with status 2")
+  p.add_argument("--watchdog-s", type=float, default=300.0,
+                 help="an engine that ends no round for this long while requests are open "
+                      "is killed and restarted (0: never)")
   p.add_argument("--max-queued", type=int, default=256,
                  help="requests that may wait for a row; past it, 503 with Retry-After")
   p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
@@ -143,6 +149,8 @@ def main(argv=None) -> None:
     gates.check_tau(args.tau, args.gate, "--tau")
   if not os.path.exists(args.model):
     p.exit(2, f"{p.prog}: error: --model {args.model}: no such file or directory\n")
+  if args.max_restarts < 0:
+    p.error(f"--max-restarts={args.max_restarts}; it must be >= 0.")
   if args.max_queued < 0:
     p.error(f"--max-queued={args.max_queued}; it must be >= 0.")
   if args.warmup and (args.drafter or args.mesh):
@@ -178,7 +186,7 @@ def main(argv=None) -> None:
     server.run()
   finally:
     engine.close()
-  if engine.failure is not None and engine.ready is None:
+  if engine.failure is not None and engine.ready is None:   # never served, or gave up
     p.exit(2, f"{p.prog}: error: {engine.failure}\n")
 
 

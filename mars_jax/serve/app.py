@@ -2,10 +2,12 @@
 `python -m mars_jax.serve`).
 
   GET  /health               200 {"status": "ok", "startup_s": ...} once the engine is
-                             warm; 503 {"status": "starting"} before, 503 with the reason
-                             when its process ended
+                             warm; 503 {"status": "starting"} before, {"status":
+                             "restarting", "reason"} while a dead engine starts again,
+                             and with the reason when the server gave up
   GET  /v1/models            the one model served, with its context and the sampling
-                             defaults requests get (the model's generation config)
+                             defaults requests get (the model's generation config);
+                             503 like every endpoint until the engine is ready
   POST /v1/completions       a text prompt (or token ids) -> text
   POST /v1/chat/completions  messages, in the model's own chat template -> a reply
   GET  /metrics              Prometheus text: requests, tokens, forwards, tokens per
@@ -183,6 +185,9 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     if engine.failure is not None:
       raise RequestError(f"the engine stopped: {engine.failure}", status=500,
                          kind="server_error")
+    if engine.restarting is not None:
+      raise RequestError(f"the engine is restarting ({engine.restarting}); retry shortly.",
+                         status=503, kind="server_error")
     if engine.ready is None or not engine.loaded.done():
       raise RequestError("the server is starting (compiling); retry shortly.", status=503,
                          kind="server_error")
@@ -192,6 +197,9 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
   async def health():
     if engine.failure is not None:
       return JSONResponse({"status": "stopped", "reason": engine.failure}, status_code=503)
+    if engine.restarting is not None:
+      return JSONResponse({"status": "restarting", "reason": engine.restarting},
+                          status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     if engine.ready is None:
       return JSONResponse({"status": "starting"}, status_code=503)
     if not engine.admitting:
@@ -203,7 +211,7 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
 
   @app.get("/v1/models")
   async def models():
-    room = engine.loaded.result().context_room if engine.loaded.done() else None
+    room = facts().context_room   # 503 until ready: a client waiting on it starts in time
     return {"object": "list", "data": [{"id": model_name, "object": "model",
                                         "created": created, "owned_by": "mars_jax",
                                         "max_model_len": room,
@@ -261,9 +269,10 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
           if await request.is_disconnected():
             return JSONResponse({}, status_code=499)
           continue
-        if isinstance(event, Error):
+        if isinstance(event, Error):   # 503 (a restart, a shutdown): retry shortly
+          retry = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
           return JSONResponse(protocol.error_body(event.message, kind="server_error"),
-                              status_code=event.status)
+                              status_code=event.status, headers=retry)
         if isinstance(event, Done):
           c = event.completion
           return protocol.completion_response(spec, c.text, c.finish_reason,

@@ -28,7 +28,14 @@ The engine process (`run`):
   3. loops: takes every waiting command (blocking only while idle), submits and
      cancels between rounds, runs a round, sends one `Round` message.
 A round that raises fails only the requests in it (an `Error` each, HTTP 500); the
-server is `reset` to a fresh state and goes on with the queue. Test hooks (environment
+server is `reset` to a fresh state and goes on with the queue. An engine process that
+dies once ready (killed, out of memory, a crash) is started again by the HTTP side
+(through the warm compilation cache), its open requests answered 503 with Retry-After;
+after more than `--max-restarts` deaths within `RESTART_WINDOW_S` the HTTP process
+gives up and exits with status 2, for a supervisor to take over. An engine that ends no
+round for `--watchdog-s` seconds while requests are open is stuck: the HTTP side kills
+it, and it is restarted like a dead one. While it is starting (or starting again) a
+shutdown kills it at once: it holds no request. Test hooks (environment
 variables): MARS_JAX_SERVE_FAIL_ROUNDS="3,7" makes those rounds raise;
 MARS_JAX_SERVE_ROUND_DELAY_S=0.2 sleeps that long after every round, so that requests
 stay in flight long enough for a test to act on them.
@@ -306,6 +313,9 @@ def run(conn: Connection, args) -> None:
 
 # -- the HTTP side -----------------------------------------------------------------------
 
+RESTART_WINDOW_S = 600.0  # the window in which at most --max-restarts deaths are restarted
+
+
 class Handle:
   """A submitted request: its id, prompt length, and the events the engine sends."""
 
@@ -343,7 +353,10 @@ class Engine:
     self._proc = None
     self.loop: asyncio.AbstractEventLoop | None = None
     self.loaded: asyncio.Future | None = None
-    self.on_failure = None   # called when the engine process ends before it was ready
+    self.on_failure = None   # called when the server must exit: no engine will serve
+    self.restarting: str | None = None   # why the engine is being started again
+    self.deaths: list[float] = []        # when served engines died (monotonic seconds)
+    self.last_message = 0.0              # when the engine last sent anything (monotonic)
 
   @property
   def alive(self) -> bool:
@@ -360,6 +373,23 @@ class Engine:
     self._proc.start()
     child.close()
     threading.Thread(target=self._read, name="mars-engine-reader", daemon=True).start()
+    if self.args.watchdog_s > 0 and self.restarting is None:   # one watchdog a server
+      self.loop.call_later(1.0, self._watch)
+
+  def _watch(self) -> None:
+    """Every second: kills an engine that was ready and has sent nothing for
+    --watchdog-s seconds while requests are open (a hung device, a deadlock); the
+    reader then sees it gone and it is restarted."""
+    if self.failure is not None or not self.admitting:
+      return
+    quiet = time.monotonic() - self.last_message
+    if (self.ready is not None and self.handles and quiet > self.args.watchdog_s
+        and self._proc.is_alive()):
+      log.error("the engine ended no round for %.0f s with %d requests open "
+                "(--watchdog-s %g); killing it", quiet, len(self.handles),
+                self.args.watchdog_s)
+      self._proc.kill()
+    self.loop.call_later(1.0, self._watch)
 
   def _read(self) -> None:
     """The reader thread: hands each message to the event loop (one per round)."""
@@ -374,6 +404,7 @@ class Engine:
       pass
 
   def _take(self, message) -> None:
+    self.last_message = time.monotonic()
     if isinstance(message, Round):
       self.metrics = message.metrics
       for fid, event in message.events:
@@ -386,12 +417,33 @@ class Engine:
     elif isinstance(message, Loaded):
       self.loaded.set_result(message)
     elif isinstance(message, Ready):
-      self.ready = message
+      self.ready, self.restarting = message, None
     elif isinstance(message, Failed):
       self._gone(f"the engine could not start: {message.message}")
 
   def _gone(self, why: str) -> None:
-    """The engine process ended: every open request fails, /health says why."""
+    """The engine process ended. One that was serving is started again (its open
+    requests answered 503, retry shortly) unless it died more than `--max-restarts` times
+    within `RESTART_WINDOW_S`; otherwise every open request fails, /health says why, and the
+    server exits (`on_failure`) when no engine ever served or it gave up. During a
+    shutdown an engine that ends is no failure: what it held is answered 503."""
+    if not self.admitting:
+      self.answer_all("the server shut down before the request finished.", 503)
+      return
+    if self.failure is None and self.ready is not None:
+      now = time.monotonic()
+      self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW_S] + [now]
+      allowed = self.args.max_restarts
+      if len(self.deaths) <= allowed:
+        log.error("%s; starting it again (death %d of %d allowed in %.0f s)", why,
+                  len(self.deaths), allowed, RESTART_WINDOW_S)
+        self.answer_all(f"{why}; the engine is restarting, retry shortly.", 503)
+        self.ready, self.restarting = None, why
+        self.start()
+        return
+      why = (f"{why}; the engine died {len(self.deaths)} times in "
+             f"{RESTART_WINDOW_S:.0f} s, giving up")
+      self.ready = None
     if self.failure is None:
       self.failure = why
       log.error("%s", why)
@@ -445,6 +497,9 @@ class Engine:
     self.admitting = False
     self.answer_all("the server shut down before the request finished.", 503)
     if self._proc is None:
+      return
+    if self.ready is None:   # loading or compiling: nothing in flight, nothing to wait for
+      self.close()
       return
     if self.failure is None:
       self._send(("stop",))

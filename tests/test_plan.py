@@ -177,7 +177,7 @@ def test_decode_plan_one_chip_and_tensor_parallel(topology):
   four = plan.decode_plan(cfg, config, t, devices[:4], batch=2, cache_len=64, window=3,
                           mesh_spec="tensor=4")
   assert sorted(four["windows"]) == [1, 3] and sorted(one["windows"]) == [1]
-  assert four["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4}
+  assert four["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 4}
   ar_one, ar_four, w3 = one["windows"][1], four["windows"][1], four["windows"][3]
   assert ar_one["args"] / 4 <= ar_four["args"] < ar_one["args"] / 2
   # the cache [layers 2, b 2, kv heads 4, S 64, d 8] in bf16, K and V: split 4 ways

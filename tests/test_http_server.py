@@ -347,6 +347,10 @@ def test_metrics_count_requests_tokens_and_forwards(live):
       use.model_extra["forwards"])
   assert m1["mars_requests_total"] == m0["mars_requests_total"] + 1
   assert m1["mars_window"] >= 1 and m1["mars_tokens_per_forward"] >= 1
+  for name in ("mars_time_to_first_token_seconds", "mars_e2e_request_latency_seconds",
+               "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+    assert m1[f"{name}_count"] == m0[f"{name}_count"] + 1, name
+    assert m1[f"{name}_sum"] > m0[f"{name}_sum"], name
 
 
 def test_lm_eval_chat_completions_scores_as_the_in_process_backend(live, tmp_path):
@@ -595,7 +599,6 @@ def _back(server) -> list[str]:
   return seen
 
 
-@pytest.mark.e2e
 def test_a_dead_or_stuck_engine_comes_back_and_one_death_too_many_ends_the_server(servers):
   """SIGKILL of the engine (as the OOM killer sends) with requests in flight: they are
   answered 503 with Retry-After, /health says "restarting", the engine starts again and
@@ -618,7 +621,6 @@ def test_a_dead_or_stuck_engine_comes_back_and_one_death_too_many_ends_the_serve
   assert "giving up" in server.output()
 
 
-@pytest.mark.e2e
 def test_sigterm_while_compiling_ends_the_server_at_once(servers, tmp_path):
   """A server compiling its variants (an empty compilation cache) answers 503 on every
   endpoint, /v1/models included, and SIGTERM then ends it within a few seconds, status

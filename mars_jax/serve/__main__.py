@@ -42,8 +42,12 @@ from mars_jax.core import choices, cli
 from mars_jax.core.choices import Metric, Mode
 from mars_jax.decoding import gates
 from mars_jax.serve.build import DEFAULT_MAX_CONTEXT, generation_defaults
+from mars_jax.serve.protocol import MAX_REQUEST_BYTES
+
+API_KEY_ENV = "MARS_JAX_API_KEY"
 
 log = logging.getLogger("mars_jax.serve")
+
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m mars_jax.serve", description=__doc__,
@@ -91,6 +95,14 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--watchdog-s", type=float, default=300.0,
                  help="an engine that ends no round for this long while requests are open "
                       "is killed and restarted (0: never)")
+  p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                 help="the key the /v1 endpoints require as 'Authorization: Bearer <key>' "
+                      f"(default: ${API_KEY_ENV}; unset: none)")
+  p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                 help="the largest request body; past it, 413")
+  p.add_argument("--request-timeout", type=float, default=None,
+                 help="seconds after which a request is cancelled and answered 504 (a "
+                      "stream: an error chunk); default: never")
   p.add_argument("--max-queued", type=int, default=256,
                  help="requests that may wait for a row; past it, 503 with Retry-After")
   p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
@@ -149,6 +161,9 @@ def main(argv=None) -> None:
     gates.check_tau(args.tau, args.gate, "--tau")
   if not os.path.exists(args.model):
     p.exit(2, f"{p.prog}: error: --model {args.model}: no such file or directory\n")
+  if args.request_timeout is not None and args.request_timeout <= 0:
+    p.error(f"--request-timeout={args.request_timeout}; it must be > 0 (leave it out for "
+            "none).")
   if args.max_restarts < 0:
     p.error(f"--max-restarts={args.max_restarts}; it must be >= 0.")
   if args.max_queued < 0:
@@ -171,7 +186,9 @@ def main(argv=None) -> None:
   engine = Engine(args)
   name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
   app = create_app(engine, model_name=name, max_queued=args.max_queued,
-                   sampling_defaults=defaults)
+                   sampling_defaults=defaults, api_key=args.api_key or None,
+                   max_request_bytes=args.max_request_bytes,
+                   request_timeout=args.request_timeout)
   # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for
   # the handler it found: a no-op here, so the process ends by returning (exit status 0)
   # after the engine has stopped.

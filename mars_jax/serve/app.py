@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from typing import AsyncIterator, Callable
@@ -39,7 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from mars_jax.decoding.loading import chat_prompt_ids
 from mars_jax.serve import protocol
 from mars_jax.serve.engine import Accepted, Done, Engine, Error, Handle, Loaded, Tokens
-from mars_jax.serve.protocol import RequestError, Spec
+from mars_jax.serve.protocol import MAX_REQUEST_BYTES, RequestError, Spec
 from mars_jax.serve.text_stream import TextStream
 
 DISCONNECT_POLL_S = 0.5
@@ -133,6 +134,7 @@ def metrics_text(engine: Engine, model_name: str, drafter: bool) -> str:
   metric("compiles_after_ready_total", "counter",
          "XLA programs lowered after the server said it was ready.",
          [(label, m.compiles_after_ready)])
+  lines += engine.latency.text(label)
   return "\n".join(lines) + "\n"
 
 
@@ -161,11 +163,31 @@ class _Streamed(StreamingResponse):
 
 
 def create_app(engine: Engine, *, model_name: str, max_queued: int,
-               sampling_defaults: dict) -> FastAPI:
+               sampling_defaults: dict, api_key: str | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES,
+               request_timeout: float | None = None) -> FastAPI:
   """The API over `engine` (started and stopped with the app's lifespan).
   max_queued: requests that may wait for a row beyond the batch's rows;
-  sampling_defaults: temperature, top_p, top_k for requests that leave them out."""
+  sampling_defaults: temperature, top_p, top_k for requests that leave them out;
+  api_key: what the /v1 endpoints require as `Authorization: Bearer <key>` (None: no
+  key); max_request_bytes: the largest request body (413 past it); request_timeout:
+  seconds after which a request is cancelled and answered 504 (None: never)."""
   created = int(time.time())
+
+  def timed_out(handle: Handle) -> str | None:
+    """Why the request must end now (it ran past request_timeout), or None."""
+    if request_timeout is None or time.monotonic() - handle.submitted <= request_timeout:
+      return None
+    return f"the request ran past the server's --request-timeout ({request_timeout:g} s)."
+
+  def authorize(request: Request) -> None:
+    if api_key is None:
+      return
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+      raise RequestError("Incorrect API key provided: send the server's --api-key as "
+                         "'Authorization: Bearer <key>'.", status=401,
+                         kind="invalid_request_error")
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -210,7 +232,8 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
             "last_failure": engine.metrics.last_failure or None}
 
   @app.get("/v1/models")
-  async def models():
+  async def models(request: Request):
+    authorize(request)
     room = facts().context_room   # 503 until ready: a client waiting on it starts in time
     return {"object": "list", "data": [{"id": model_name, "object": "model",
                                         "created": created, "owned_by": "mars_jax",
@@ -224,7 +247,20 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
                              media_type="text/plain; version=0.0.4")
 
   async def body_of(request: Request):
-    raw = await request.body()
+    """The request's JSON, read at most `max_request_bytes` far (413 past it)."""
+    authorize(request)
+    too_big = RequestError(f"the request body exceeds {max_request_bytes} bytes "
+                           "(--max-request-bytes).", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_request_bytes:
+      raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > max_request_bytes:
+        raise too_big
+      chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
       return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -239,7 +275,8 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
       engine.rejected += 1
       raise RequestError(f"{waiting} requests are waiting for a row (--max-queued "
                          f"{max_queued}); retry later.", status=503, kind="server_error")
-    prompt = encode(known.tokenizer, spec)
+    # templating and tokenizing in a worker thread: a long prompt stalls no stream
+    prompt = await asyncio.to_thread(encode, known.tokenizer, spec)
     try:
       handle = engine.submit(prompt, **submit_kwargs(known, spec, prompt))
     except RuntimeError as e:
@@ -268,6 +305,10 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
         except asyncio.TimeoutError:
           if await request.is_disconnected():
             return JSONResponse({}, status_code=499)
+          late = timed_out(handle)
+          if late:
+            return JSONResponse(protocol.error_body(late, kind="server_error"),
+                                status_code=504)
           continue
         if isinstance(event, Error):   # 503 (a restart, a shutdown): retry shortly
           retry = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
@@ -289,7 +330,15 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
                       (*known.eos_token_ids, *spec.stop_token_ids))
     if spec.chat:
       yield sse(protocol.chunk(spec, None, first=True))
-    async for event in handle:
+    while not handle.finished:
+      try:
+        event = await asyncio.wait_for(handle.__anext__(), DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        late = timed_out(handle)
+        if late:   # the stream ends with the error; `_Streamed` cancels the request
+          yield sse(protocol.error_body(late, kind="server_error"))
+          break
+        continue
       if isinstance(event, Tokens):
         delta = text.push(event.tokens)
         if delta:

@@ -54,6 +54,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mars_jax.serve.latency import Latency
+
 log = logging.getLogger(__name__)
 
 FAIL_ROUNDS_ENV = "MARS_JAX_SERVE_FAIL_ROUNDS"
@@ -323,6 +325,8 @@ class Handle:
     self.request_id, self.prompt_len = request_id, prompt_len
     self.events: asyncio.Queue = asyncio.Queue()
     self.finished = False
+    self.submitted = time.monotonic()
+    self.last_tokens: float | None = None   # when its latest tokens came
 
   def __aiter__(self):
     return self
@@ -342,6 +346,7 @@ class Engine:
   def __init__(self, args):
     self.args = args
     self.metrics = Metrics()
+    self.latency = Latency()
     self.handles: dict[int, Handle] = {}
     self.admitting = True
     self.rejected = 0     # requests answered 503 at once (a full queue)
@@ -407,10 +412,12 @@ class Engine:
     self.last_message = time.monotonic()
     if isinstance(message, Round):
       self.metrics = message.metrics
+      now = time.monotonic()
       for fid, event in message.events:
         handle = self.handles.get(fid)
         if handle is None:
           continue
+        self._time(handle, event, now)
         if isinstance(event, (Done, Error)):
           del self.handles[fid]
         handle.events.put_nowait(event)
@@ -420,6 +427,17 @@ class Engine:
       self.ready, self.restarting = message, None
     elif isinstance(message, Failed):
       self._gone(f"the engine could not start: {message.message}")
+
+  def _time(self, handle: Handle, event, now: float) -> None:
+    """Counts the request's latencies as its events arrive."""
+    if isinstance(event, Tokens) and event.tokens:
+      if handle.last_tokens is None:
+        self.latency.first_token(now - handle.submitted)
+      else:
+        self.latency.between_tokens(now - handle.last_tokens, len(event.tokens))
+      handle.last_tokens = now
+    elif isinstance(event, Done):
+      self.latency.request(now - handle.submitted)
 
   def _gone(self, why: str) -> None:
     """The engine process ended. One that was serving is started again (its open

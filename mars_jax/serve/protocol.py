@@ -36,6 +36,7 @@ MAX_STOPS = 4           # stop strings a request may give, as the OpenAI API all
 MAX_STOP_CHARS = 256    # characters a stop string may have (our bound: each is scanned
                         # for after every token of its row)
 MAX_STOP_IDS = 64       # stop token ids a request may give
+MAX_REQUEST_BYTES = 32 << 20   # the largest request body, by default (--max-request-bytes)
 
 
 class RequestError(ValueError):

@@ -270,13 +270,15 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     """Submits the request and waits for the engine to take it (a round at most) ->
     its handle; RequestError when it is refused."""
     known = facts()
+    # templating and tokenizing in a worker thread: a long prompt stalls no stream
+    prompt = await asyncio.to_thread(encode, known.tokenizer, spec)
+    known = facts()   # the engine may have gone meanwhile
+    # counted with nothing awaited before the submit, so concurrent requests see each other
     waiting = len(engine.handles) - known.max_batch
     if waiting >= max_queued:
       engine.rejected += 1
       raise RequestError(f"{waiting} requests are waiting for a row (--max-queued "
                          f"{max_queued}); retry later.", status=503, kind="server_error")
-    # templating and tokenizing in a worker thread: a long prompt stalls no stream
-    prompt = await asyncio.to_thread(encode, known.tokenizer, spec)
     try:
       handle = engine.submit(prompt, **submit_kwargs(known, spec, prompt))
     except RuntimeError as e:

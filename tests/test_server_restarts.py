@@ -1,0 +1,109 @@
+"""The server's engine dying, hanging or signalled while it starts, through a real server
+(`python -m mars_jax.serve` in a subprocess, the module shape of
+tests/test_http_server.py) and real clients: it comes back, gives up when it must, and a
+SIGTERM while it compiles ends it at once."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from test_http_server import (PROMPTS, _long, _post_all, _wait_for, complete, servers,  # noqa: F401
+                              spawn)
+
+from mars_jax.benchmarks.serve_procs import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _engine_pid(server_pid: int) -> int:
+  """The engine process: the server's child that multiprocessing spawned (not its
+  resource tracker)."""
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode()
+    except (OSError, ValueError, IndexError):
+      continue
+    if ppid == server_pid and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+      return int(entry)
+  raise AssertionError(f"no engine process under {server_pid}")
+
+
+def _kill_in_flight(server, sig: int) -> list[httpx.Response]:
+  """Four requests in flight, then `sig` to the engine -> their responses."""
+  held = []
+  holder = threading.Thread(target=lambda: held.extend(
+      _post_all(server.url, [_long(i, 120) for i in range(4)])))
+  holder.start()
+  _wait_for(server, "mars_requests_running", 4)
+  os.kill(_engine_pid(server.proc.pid), sig)
+  holder.join(120)
+  return held
+
+
+def _back(server) -> list[str]:
+  """/health's statuses until it answers 200 again."""
+  seen, deadline = [], time.time() + 600
+  while time.time() < deadline:
+    r = httpx.get(f"{server.url}/health", timeout=5)
+    seen.append(r.json()["status"])
+    if r.status_code == 200:
+      break
+    time.sleep(0.5)
+  return seen
+
+
+def test_a_dead_or_stuck_engine_comes_back_and_one_death_too_many_ends_the_server(servers):
+  """SIGKILL of the engine (as the OOM killer sends) with requests in flight: they are
+  answered 503 with Retry-After, /health says "restarting", the engine starts again and
+  serves. SIGSTOP (a hung engine): the watchdog (--watchdog-s 5) kills it, and the same
+  follows. With --max-restarts 2 the third death within the window ends the server with
+  status 2, saying why."""
+  server = servers.get("restartable", "--max-restarts", "2", "--watchdog-s", "5",
+                       env={"MARS_JAX_SERVE_ROUND_DELAY_S": "0.2"})
+  for sig in (signal.SIGKILL, signal.SIGSTOP):
+    held = _kill_in_flight(server, sig)
+    assert [r.status_code for r in held] == [503] * 4, [r.text for r in held]
+    assert all(r.headers["Retry-After"] and "restarting" in r.json()["error"]["message"]
+               for r in held)
+    seen = _back(server)
+    assert "restarting" in seen and seen[-1] == "ok", seen
+    assert complete(server.client(), PROMPTS[0], max_tokens=5)[1] == "length"
+  assert "ended no round for" in server.output()
+  os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+  assert server.proc.wait(120) == 2, server.output()
+  assert "giving up" in server.output()
+
+
+def test_sigterm_while_compiling_ends_the_server_at_once(servers, tmp_path):
+  """A server compiling its variants (an empty compilation cache) answers 503 on every
+  endpoint, /v1/models included, and SIGTERM then ends it within a few seconds, status
+  0."""
+  port = free_port()
+  with open(tmp_path / "server.log", "w+") as log:
+    proc = spawn(servers.checkpoint, port, log, "--compilation-cache",
+                 str(tmp_path / "empty_cache"))
+    try:
+      deadline, statuses = time.time() + 300, []
+      while time.time() < deadline and not statuses:
+        try:
+          r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+          if r.json()["status"] == "starting":
+            statuses.append(httpx.get(f"http://127.0.0.1:{port}/v1/models",
+                                      timeout=5).status_code)
+        except httpx.TransportError:
+          time.sleep(0.2)
+      assert statuses == [503], statuses
+      begin = time.time()
+      proc.send_signal(signal.SIGTERM)
+      assert proc.wait(30) == 0
+      assert time.time() - begin < 10
+    finally:
+      proc.kill()

@@ -332,9 +332,10 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
                       (*known.eos_token_ids, *spec.stop_token_ids))
     if spec.chat:
       yield sse(protocol.chunk(spec, None, first=True))
+    poll = None if request_timeout is None else DISCONNECT_POLL_S   # None: a plain await
     while not handle.finished:
       try:
-        event = await asyncio.wait_for(handle.__anext__(), DISCONNECT_POLL_S)
+        event = await asyncio.wait_for(handle.__anext__(), poll)
       except asyncio.TimeoutError:
         late = timed_out(handle)
         if late:   # the stream ends with the error; `_Streamed` cancels the request

@@ -15,6 +15,7 @@ from mars_jax.checkpoints import hf
 from mars_jax.decoding import sampler as sampling
 from mars_jax.decoding import gates
 from mars_jax.decoding import loop
+from mars_jax.decoding import programs as serve_programs
 from mars_jax.benchmarks import toy
 from mars_jax.models import cached
 from mars_jax.decoding.window_policy import AcceptanceStats, CostTable, WindowPolicy
@@ -359,3 +360,27 @@ def test_per_request_windows_and_modes_share_a_batch(model):
     server.submit(prompts[0], max_new_tokens=4, window=5)
   with pytest.raises(ValueError, match="mode"):
     server.submit(prompts[0], max_new_tokens=4, mode="exact")
+
+
+def test_saved_programs_serve_what_jit_serves_and_a_second_server_loads_them(model, tmp_path):
+  """A server calling its kernels through `Programs` (executables written to disk) gives
+  the AR tokens while its batch moves one bucket at a time (4 rows, then fewer); a second
+  server over the same directory loads every program its warmup needs, compiles none,
+  and serves the same."""
+  config, params = model
+  prompts, budgets = _requests(seed=1, n=5)
+  outputs = []
+  for attempt in range(2):
+    programs = serve_programs.Programs(str(tmp_path))
+    server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
+                          batch_size=4, min_batch_size=1, max_len=32, window=1,
+                          mode="lossless", prefill_chunk=8, programs=programs)
+    server.warmup(8)
+    assert (programs.compiled, programs.loaded) == ((len(programs), 0) if attempt == 0
+                                                    else (0, len(programs)))
+    ids = [server.submit(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    done = server.run()
+    outputs.append([done[i].tokens for i in ids])
+    assert len(server.slots) < 4
+  assert outputs[0] == outputs[1] == [naive_ar(config, params, p, b, (EOS_NEVER,))
+                                      for p, b in zip(prompts, budgets)]

@@ -412,6 +412,13 @@ def harvest(state: DecodeState, since: Array, *, width: int) -> Harvest:
                  state.forwards, state.done, state.steps)
 
 
+@jax.jit
+def copy_lengths(length: Array) -> Array:
+  """A copy of the rows' committed lengths (int32[b]): taken before a round, which
+  donates the state, for that round's `harvest`."""
+  return length + 0
+
+
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def regroup(state: DecodeState, rows: Array, *, mesh: Mesh | None = None) -> DecodeState:
   """A state of len(rows) rows: row i is old row rows[i], or padding where rows[i] >= b.

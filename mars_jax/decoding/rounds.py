@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mars_jax.core.choices import Mode
-from mars_jax.decoding import batching, loop, timing
+from mars_jax.decoding import batching, loop, programs, timing
 from mars_jax.decoding.batching import Bucket, GenerateResult
 from mars_jax.decoding.loop import DecodeState
 from mars_jax.decoding.stops import StopScan
@@ -50,17 +50,18 @@ def dispatch(config: Qwen2Config, params, state: DecodeState, policy: Policy, *,
              eos_ids: np.ndarray, mask_token_id: int, mode: Mode, measure: Measure | None,
              real_slots: int = 0, wide_steps: int = 1, wide_window: int | None = None,
              stop_on_finish: bool = False, steps: int | None = None, min_window: int = 1,
-             runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None
-             ) -> tuple[DecodeState, int]:
+             runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
+             call=programs.direct) -> tuple[DecodeState, int]:
   """The kernels of one round, dispatched without waiting for them: W for the state's
   batch and `active` live rows (the policy's, or min_window when larger: rows that
   fixed their own window), then `steps` steps (`policy.round_steps` by default; the
   first `wide_steps` of them `real_slots` wide when that exceeds W, to prefill new
   rows, at W = wide_window when given: a fixed one keeps the compiled prefill variants
-  from multiplying with the windows). -> (new state, W)."""
+  from multiplying with the windows). call: how `loop.run_steps` is called
+  (`programs.direct`, or a server's `Programs`). -> (new state, W)."""
   b, cache_len = state.seq.shape
   window = max(policy.choose(b, cache_len, active, measure), min_window)
-  call = functools.partial(loop.run_steps, config, params, eos_ids=eos_ids,
+  call = functools.partial(call, loop.run_steps, config, params, eos_ids=eos_ids,
                            mask_token_id=np.int32(mask_token_id), mode=mode,
                            runtime=runtime, mesh=mesh)
   steps = steps or policy.round_steps

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mars_jax.core.choices import Mode
-from mars_jax.decoding import batching, loop
+from mars_jax.decoding import batching, loop, programs
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.decoding.window_policy import CostTable, Measure
 
@@ -20,7 +20,7 @@ _COSTS: dict[tuple, CostTable] = {}
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
                  mode: Mode, mask_token_id: int, steps: int = 32, repeats: int = 5,
                  runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
-                 sample: dict | None = None) -> float:
+                 sample: dict | None = None, call=programs.direct) -> float:
   """Measured seconds per decoding step of the `run_steps` variant (batch, cache_len,
   window, mode), best of `repeats` runs of `steps` steps after one that compiles.
 
@@ -29,7 +29,8 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   average: `batch` rows whose `live` prompt tokens count as prefilled (cursor at the
   last one; their K/V are left as zeros, which costs the same), tau 1. mesh: the one
   the params are placed on (None: one device). sample: every row's temperature, top_k
-  and top_p (`loop.Controls`; None: greedy)."""
+  and top_p (`loop.Controls`; None: greedy). call: how the kernels are called
+  (`programs.direct`, or a server's `Programs`)."""
   live = max(1, (cache_len - window - steps) // 2)
   prompt = np.ones((batch, live), np.int32)
   rows = np.ones((batch,), np.int32)
@@ -38,13 +39,13 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
                                  for name, value in (sample or {}).items()})
   best = float("inf")
   for _ in range(repeats + 1):
-    state = loop.start(config, prompt, live * rows, (cache_len - window - live + 1) * rows,
+    state = call(loop.start, config, prompt, live * rows, (cache_len - window - live + 1) * rows,
                        controls, cache_len=cache_len, runtime=runtime, mesh=mesh)
     state = state.replace(cursor=state.length - 1)
     jax.block_until_ready(state)
     begin = time.perf_counter()
     # called as `rounds.dispatch` calls it, so a server's warmup compiles it once
-    state = loop.run_steps(config, params, eos_ids=batching.eos_array(()),
+    state = call(loop.run_steps, config, params, eos_ids=batching.eos_array(()),
                            mask_token_id=np.int32(mask_token_id), mode=mode, runtime=runtime,
                            mesh=mesh, state=state, max_steps=np.int32(steps),
                            stop_on_finish=np.bool_(False), real_slots=window, window=window)
@@ -54,13 +55,14 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
 
 
 def measure_fn(config: Qwen2Config, params, *, mode: Mode, mask_token_id: int,
-               runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None) -> Measure:
+               runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
+               call=programs.direct) -> Measure:
   """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
-  it round-robin over the windows), for `WindowPolicy.choose`."""
+  it round-robin over the windows), for `WindowPolicy.choose`; call: as `step_seconds`'s."""
   def measure(batch: int, cache_len: int, window: int) -> float:
     return step_seconds(config, params, batch=batch, cache_len=cache_len, window=window,
                         mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime,
-                        mesh=mesh)
+                        mesh=mesh, call=call)
   return measure
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 from typing import Callable, Sequence
 
 Measure = Callable[[int, int, int], float]   # (batch, cache_len, window) -> seconds/step
@@ -64,8 +65,12 @@ class CostTable:
                         for (b, s, w), v in sorted(self.seconds.items())]}
 
   def save(self, path: str) -> None:
-    with open(path, "w") as f:
+    """Writes the table to `path` whole or not at all (a temporary file, renamed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
       json.dump(self.to_json(), f, indent=2)
+    os.replace(tmp, path)
 
   @classmethod
   def from_json(cls, data: dict) -> "CostTable":

@@ -70,7 +70,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tau", type=float, default=1.0, help="default gate threshold (gated mode)")
   p.add_argument("--gate", choices=choices.values(Metric), default="probability",
                  help="default gate metric (gated mode)")
-  p.add_argument("--batch-size", type=int, default=16, help="rows of the batch at full load")
+  p.add_argument("--batch-size", type=int, default=None,
+                 help="rows of the batch at full load (default: as many as "
+                      "--memory-utilization of the free memory holds at --max-len, at most "
+                      "256; the start-up log says why)")
+  p.add_argument("--memory-utilization", type=float, default=0.9,
+                 help="the share of the device's memory (the CPU backend: of the host's "
+                      "available memory) the default batch may fill")
   p.add_argument("--min-batch-size", type=int, default=1,
                  help="rows at the lightest load (the batch grows in powers of two)")
   p.add_argument("--max-len", type=int, default=None,
@@ -166,6 +172,11 @@ def main(argv=None) -> None:
             "none).")
   if args.max_restarts < 0:
     p.error(f"--max-restarts={args.max_restarts}; it must be >= 0.")
+  if args.batch_size is not None and args.batch_size < 1:
+    p.error(f"--batch-size={args.batch_size}; it must be >= 1 (leave it out to size the "
+            "batch from the free memory).")
+  if not 0 < args.memory_utilization <= 1:
+    p.error(f"--memory-utilization={args.memory_utilization}; expected a share in (0, 1].")
   if args.max_queued < 0:
     p.error(f"--max-queued={args.max_queued}; it must be >= 0.")
   if args.warmup and (args.drafter or args.mesh):

@@ -1,23 +1,31 @@
 """What the engine process serves, built from `python -m mars_jax.serve`'s parsed
 arguments: the model (an HF directory or a run, on one device or a mesh), its drafter,
-the windows and their policy, the context per row, and the `Server` over them; and the
-sampling defaults of the model's generation_config.json, which the HTTP process applies.
+the windows and their policy, the context per row, the batch (--batch-size, or rows
+from the free memory: `sizing`), the executables kept beside the compilation cache and
+the step costs measured there, and the `Server` over them; and the sampling defaults of
+the model's generation_config.json, which the HTTP process applies.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 
 from mars_jax.checkpoints import hf, runs
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.loading import (load_drafter, load_model, trained_block_size,
                                        trained_window, warn_untrained_windows)
+from mars_jax.decoding.programs import Programs
 from mars_jax.decoding.window_policy import WindowPolicy
 from mars_jax.models.qwen2 import Runtime
+from mars_jax.serve import sizing
 from mars_jax.serve.server import Server
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
 DEFAULT_WINDOWS = (1, 2, 3, 5)
+
+log = logging.getLogger("mars_jax.serve")
 
 
 
@@ -41,8 +49,19 @@ def generation_defaults(path: str) -> dict:
   return {k: record[k] for k in ("temperature", "top_p", "top_k") if record.get(k) is not None}
 
 
-def build_server(args):
-  """-> (Server, LoadedModel) for parsed arguments: what the engine process serves."""
+def cost_table_path(cache: str, programs: Programs, model, mode: str) -> str:
+  """Where the step costs of this model's shape, runtime and kernel mode on this device
+  are kept beside the compilation cache (they depend on the shapes, not the weights)."""
+  digest = hashlib.sha256(repr((programs.salt(), model.config, model.runtime, mode))
+                          .encode()).hexdigest()[:40]
+  return os.path.join(cache, "step_costs", f"{digest}.json")
+
+
+def build_server(args, cache: str | None = None):
+  """-> (Server, LoadedModel, the cost table's path or None) for parsed arguments: what
+  the engine process serves. cache: the compilation cache directory (None: off); the
+  executables go to its executables/, the step costs to its step_costs/ unless
+  --cost-table names a file."""
   windows = (sorted({int(w) for w in args.windows.split(",")}) if args.windows
              else default_windows(args.model))
   fixed = None if args.window == "auto" else int(args.window)
@@ -58,15 +77,29 @@ def build_server(args):
   extra = (args.draft_window + max(largest, drafter.window) if drafter
            else max(largest, max_window)) - 1   # cache slots past prompt + completion
   warn_untrained_windows(args.model, [max(largest, max_window)])
-  policy = fixed or WindowPolicy(
-      windows, costs=args.cost_table if args.cost_table and os.path.exists(args.cost_table)
-      else None, round_steps=args.round_steps)
   context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+  max_len = args.max_len or context + extra
+  batch_size = args.batch_size
+  if batch_size is None:
+    batch_size, reason = sizing.default_rows(
+        model.config, model.runtime, max_len=max_len, window=max(largest, max_window),
+        prefill_chunk=args.prefill_chunk, utilization=args.memory_utilization,
+        devices=model.mesh and list(model.mesh.devices.flat))
+    log.info("batch: %s (--batch-size to choose)", reason)
+  programs = cost_path = None
+  if cache and model.mesh is None and drafter is None:
+    programs = Programs(os.path.join(cache, "executables"))
+  if args.cost_table:
+    cost_path = args.cost_table
+  elif programs is not None and not fixed:
+    cost_path = cost_table_path(cache, programs, model, args.mode)
+  policy = fixed or WindowPolicy(
+      windows, costs=cost_path if cost_path and os.path.exists(cost_path) else None,
+      round_steps=args.round_steps)
   server = Server.from_model(
-      model, batch_size=args.batch_size, min_batch_size=args.min_batch_size,
-      max_len=args.max_len or context + extra, window=policy,
+      model, batch_size=batch_size, min_batch_size=args.min_batch_size,
+      max_len=max_len, window=policy,
       mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
       round_steps=args.round_steps, admit_steps=args.admit_steps, max_window=max_window,
-      drafter=drafter,
-      draft_window=args.draft_window)
-  return server, model
+      drafter=drafter, draft_window=args.draft_window, programs=programs)
+  return server, model, cost_path

@@ -284,8 +284,10 @@ def run(conn: Connection, args) -> None:
                       format="%(asctime)s %(levelname)s engine: %(message)s", force=True)
   try:
     cache = compilation_cache(args.compilation_cache)
-    from mars_jax.serve.build import build_server  # pylint: disable=import-outside-toplevel
-    server, model = build_server(args)
+    # pylint: disable=import-outside-toplevel
+    from mars_jax.decoding.programs import Programs
+    from mars_jax.serve.build import build_server
+    server, model, cost_path = build_server(args, cache)
     conn.send(Loaded(model.tokenizer, tuple(model.eos_token_ids),
                      min(server.max_len - server.extra_slots,
                          server.config.max_position_embeddings),
@@ -293,9 +295,13 @@ def run(conn: Connection, args) -> None:
     warm_begin = time.perf_counter()
     if args.warmup:
       server.warmup(args.warmup_prompt_len)
+      if cost_path and hasattr(server.policy, "costs"):
+        server.policy.costs.save(cost_path)
     ready = Ready(time.perf_counter() - begin, time.perf_counter() - warm_begin)
-    log.info("ready in %.1f s (warmup %.1f s, compilation cache %s)", ready.startup_s,
-             ready.warmup_s, cache)
+    programs = server.call if isinstance(server.call, Programs) else None
+    log.info("ready in %.1f s (warmup %.1f s: %s; compilation cache %s)", ready.startup_s,
+             ready.warmup_s, f"{len(programs)} programs, {programs.loaded} loaded, "
+             f"{programs.compiled} compiled" if programs else "jit", cache)
   except Exception as e:  # noqa: BLE001 - the HTTP side reports it and exits
     log.exception("the engine could not start")
     conn.send(Failed(f"{type(e).__name__}: {e}"))
@@ -309,8 +315,8 @@ def run(conn: Connection, args) -> None:
   jax.monitoring.register_event_duration_secs_listener(count)
   conn.send(ready)
   core.serve()
-  if args.cost_table and hasattr(server.policy, "costs"):
-    server.policy.costs.save(args.cost_table)
+  if cost_path and hasattr(server.policy, "costs"):
+    server.policy.costs.save(cost_path)
 
 
 # -- the HTTP side -----------------------------------------------------------------------

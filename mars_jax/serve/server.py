@@ -32,7 +32,11 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      its gated rows on the same forward); a gated one runs it when some live request
      is lossless (`loop.Controls`);
   4. harvest: one device-to-host copy of each row's new tokens and counters
-     (`loop.harvest`: O(new tokens), whatever the cache length); no other sync;
+     (`loop.harvest`: O(new tokens), whatever the cache length); no other sync. With
+     `overlap` (the default) the round is dispatched, and its harvest with it, before
+     the previous round's harvest is read: the device runs round r while the host
+     reads and streams round r - 1 (and takes new requests). A row that finished in
+     round r - 1 is then refilled at round r + 1;
   5. stop: rows whose new text holds one of their stop strings are cut after the
      token that completed it (`mars_jax.decoding.stops`: the new text only);
   6. stream: the tokens each request committed since the last step come back as
@@ -69,7 +73,7 @@ import collections
 import dataclasses
 import functools
 import math
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -77,7 +81,8 @@ from jax.sharding import Mesh
 
 from mars_jax.core import choices
 from mars_jax.core.choices import Metric, Mode
-from mars_jax.decoding import batching, gates, loop, rounds, speculative, stops, timing
+from mars_jax.decoding import (batching, gates, loop, programs as programs_lib, rounds,
+                               speculative, stops, timing)
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
@@ -152,7 +157,8 @@ class Server:
                runtime: Runtime = DEFAULT_RUNTIME,
                mesh: Mesh | None = None, tokenizer=None,
                max_stop_ids: int = loop.STOP_BUCKET, max_window: int | None = None,
-               drafter: speculative.Drafter | None = None, draft_window: int = 4):
+               drafter: speculative.Drafter | None = None, draft_window: int = 4,
+               programs: programs_lib.Programs | None = None, overlap: bool = True):
     self.policy = (window if isinstance(window, (WindowPolicy, FixedWindow))
                    else FixedWindow(window, round_steps=round_steps))
     self.max_window = max_window or max(self.policy.windows)
@@ -180,8 +186,11 @@ class Server:
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
     self.tokenizer, self.max_stop_ids = tokenizer, max_stop_ids
     self._streams: dict[int, _Stream] = {}
+    self.call = (programs if programs is not None and mesh is None and drafter is None
+                 else programs_lib.direct)
     self.measure = timing.measure_fn(config, params, mode=mode,
-                                     mask_token_id=mask_token_id, runtime=runtime, mesh=mesh)
+                                     mask_token_id=mask_token_id, runtime=runtime, mesh=mesh,
+                                     call=self.call)
     if drafter is not None:
       self.models = (speculative.Model(config, runtime),
                      speculative.Model(drafter.config, drafter.runtime))
@@ -197,6 +206,7 @@ class Server:
     self._requests: dict[int, Request] = {}
     self._next_id = 0
     self.window = 0          # the W of the last round (0: none ran yet)
+    self.overlap = overlap
     self.steps = 0           # forwards run for the batch
     self.reset()
 
@@ -218,6 +228,7 @@ class Server:
     for rid in dropped:
       self._forget(rid)
     self.state = self._new_state(self.min_batch)
+    self._last: _Round | None = None   # a round dispatched, its harvest not read yet
     self.slots: list[int | None] = [None] * self.min_batch
     self.scan = stops.StopScan(self.tokenizer, [()] * self.min_batch)
     self._cancelled: set[int] = set()
@@ -249,7 +260,7 @@ class Server:
 
   @property
   def idle(self) -> bool:
-    return not self.queue and not self.active
+    return not self.queue and not self.active and self._last is None
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, tau: float | None = None,
              metric: Metric | None = None, temperature: float = 0.0, top_k: int = 0,
@@ -336,27 +347,33 @@ class Server:
       self.slots[row] = None
 
   def _resize(self) -> None:
-    """Moves the active rows to the bucket the load asks for (see the module doc)."""
+    """Moves the active rows to the bucket the load asks for (see the module doc), one
+    bucket at a time: the first move packs the active rows at the front."""
     want = min(max(decode_mesh.batch_rows(self.active + len(self.queue), self.mesh),
                    self.min_batch), self.max_batch)
+    want = min(b for b in self.buckets if b >= want)
     if want == len(self.slots):
       return
     keep = [i for i, r in enumerate(self.slots) if r is not None]
-    rows = np.full((want,), len(self.slots), np.int32)
-    rows[:len(keep)] = keep
-    self.state = self._regroup(self.state, rows)
-    self.slots = [self.slots[i] for i in keep] + [None] * (want - len(keep))
-    self.scan = self.scan.take(keep + [None] * (want - len(keep)))
+    at = self.buckets.index(len(self.slots))
+    for b in (self.buckets[at + 1:self.buckets.index(want) + 1] if want > len(self.slots)
+              else self.buckets[self.buckets.index(want):at][::-1]):
+      rows = np.full((b,), len(self.slots), np.int32)
+      rows[:len(keep)] = keep
+      self.state = self._regroup(self.state, rows)
+      self.slots = [self.slots[i] for i in keep] + [None] * (b - len(keep))
+      self.scan = self.scan.take(keep + [None] * (b - len(keep)))
+      keep = list(range(len(keep)))
 
   def _regroup(self, state, rows: np.ndarray):
     return (speculative.regroup(state, rows) if self.drafter is not None
-            else loop.regroup(state, rows, mesh=self.mesh))
+            else self.call(loop.regroup, state, rows, mesh=self.mesh))
 
   def _insert(self, state, rows: np.ndarray, new: batching.Bucket):
     if self.drafter is not None:
       return speculative.insert(state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
                                 new.controls)
-    return loop.insert(state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
+    return self.call(loop.insert, state, rows, new.prompt, new.prompt_len, new.max_new_tokens,
                        new.controls, mesh=self.mesh)
 
   def _refill(self) -> tuple[int, int]:
@@ -390,27 +407,40 @@ class Server:
             else "gated")
 
   def step(self) -> list[Update]:
-    """One round: cancel, resize, refill, decode, harvest, stop, stream (module doc)."""
+    """One round: cancel, resize, refill, decode, harvest, stop, stream (module doc);
+    with `overlap`, the updates are those of the round before (none on the first)."""
     self._drop_cancelled()
     self._resize()
     width, prefill_steps = self._refill()
-    if not self.active:
-      return []
-    before = self._lengths()
     if self.drafter is not None:
+      if not self.active:
+        return []
+      before = self._lengths()
       self._spec_step(width)
-      return self._harvest(before)
+      got = self.call(loop.harvest, self.decoded, before, width=self.harvest_width)
+      return self._harvest(_Round(got, before, tuple(self.slots), self.window))
+    last, self._last = self._last, None
+    if self.active:
+      self._last = self._dispatch(width, prefill_steps)
+    if not self.overlap:
+      last, self._last = self._last, None
+    return [] if last is None else self._harvest(last)
+
+  def _dispatch(self, width: int, prefill_steps: int) -> "_Round":
+    """Dispatches a round and its harvest, waiting for neither."""
+    since = self.call(loop.copy_lengths, self.state.length)
     live = [self._requests[r].controls for r in self.slots if r is not None]
     fixed = max(c["window"] for c in live)  # the largest window a live request fixed
     floor = min(w for w in (*self.policy.windows, self.max_window) if w >= fixed)
     self.state, self.window = rounds.dispatch(
         self.config, self.params, self.state, self.policy, active=self.active,
         eos_ids=self.eos_ids, mask_token_id=self.mask_token_id, mode=self._kernel_mode(live),
-        measure=self.measure, real_slots=width, wide_steps=prefill_steps, wide_window=self.max_window,
-        stop_on_finish=bool(self.queue), min_window=floor, runtime=self.runtime,
-        steps=self.admit_steps if self.active < len(self.slots) else None,
-        mesh=self.mesh)
-    return self._harvest(before)
+        measure=self.measure, real_slots=width, wide_steps=prefill_steps,
+        wide_window=self.max_window, stop_on_finish=bool(self.queue), min_window=floor,
+        runtime=self.runtime, steps=self.admit_steps if self.active < len(self.slots) else None,
+        mesh=self.mesh, call=self.call)
+    got = self.call(loop.harvest, self.state, since, width=self.harvest_width)
+    return _Round(got, since, tuple(self.slots), self.window)
 
   def _lengths(self) -> np.ndarray:
     """Each row's committed length as the host knows it (int32[b]; 0 on free rows)."""
@@ -422,7 +452,7 @@ class Server:
 
   def _stop(self, rows: np.ndarray, keep: np.ndarray) -> None:
     self.state = (speculative.stop(self.state, rows, keep) if self.drafter is not None
-                  else loop.stop(self.state, rows, keep, mesh=self.mesh))
+                  else self.call(loop.stop, self.state, rows, keep, mesh=self.mesh))
 
   def _spec_step(self, wide: int) -> None:
     """A round of two-model decoding: `round_steps` rounds (the first one `wide` when new
@@ -435,45 +465,47 @@ class Server:
         wide=wide)
     self.window = self.max_window
 
-  def _harvest(self, since: np.ndarray) -> list[Update]:
-    """Reads the round's new tokens (one copy), cuts rows at their stop strings, tells
-    the policy what the round accepted, and streams -> the updates."""
-    got = loop.harvest(self.decoded, since, width=self.harvest_width)
+  def _harvest(self, last: "_Round") -> list[Update]:
+    """Reads a round's new tokens (one copy), cuts rows at their stop strings, tells the
+    policy what the round accepted, and streams -> the updates. The round's rows are
+    those of its dispatch: a request that ended since (finished, cut, cancelled) is
+    skipped, and the others are found where they are now."""
     if self.drafter is not None:
-      got, drafted = jax.device_get((got, self.state.drafter.forwards))
+      got, since, drafted = jax.device_get((last.got, last.since, self.state.drafter.forwards))
     else:
-      got, drafted = jax.device_get(got), None
+      (got, since), drafted = jax.device_get((last.got, last.since)), None
     self.steps = int(got.steps)
-    live = np.asarray([r is not None for r in self.slots])
+    live = np.asarray([r is not None for r in last.slots])
     if np.any(live & (got.length - since > self.harvest_width)):
       raise RuntimeError(f"a row committed more than {self.harvest_width} tokens in one round; "
                          "the harvest would drop some.")
+    now = {rid: row for row, rid in enumerate(self.slots) if rid is not None}
     cut = np.zeros((len(self.slots),), bool)
     keep = np.zeros((len(self.slots),), np.int32)
     updates, tokens_seen, forwards_seen = [], 0, 0
-    for row, rid in enumerate(self.slots):
-      if rid is None:
+    for row, rid in enumerate(last.slots):
+      if rid not in now:
         continue
-      stream = self._streams[rid]
+      here, stream = now[rid], self._streams[rid]
       new = got.tokens[row, :got.length[row] - since[row]].tolist()
       forwards, done = int(got.forwards[row]), bool(got.done[row])
-      k = self.scan.push(row, new)
+      k = self.scan.push(here, new)
       if k is not None:  # a stop string: keep k tokens, count forwards up to the k-th
         new = new[:k - len(stream.tokens)]
-        forwards, done, cut[row], keep[row] = int(got.born[row, len(new) - 1]), True, True, k
+        forwards, done, cut[here], keep[here] = int(got.born[row, len(new) - 1]), True, True, k
       tokens_seen += len(new)
       forwards_seen += forwards - stream.forwards
       stream.tokens += new
       stream.forwards = forwards
       reason = (batching.finish_reason(stream.tokens, self.eos_ids,
                                        self._requests[rid].controls["stop_token_ids"] or [-1],
-                                       stopped=self.scan.stopped[row]) if done else None)
+                                       stopped=self.scan.stopped[here]) if done else None)
       updates.append(Update(rid, new, len(stream.tokens), forwards, done, reason))
       if done:
-        self._finish(row, rid, reason, 0 if drafted is None else int(drafted[row]))
+        self._finish(here, rid, reason, 0 if drafted is None else int(drafted[row]))
     if cut.any():
       self._stop(cut, keep)
-    self.policy.observe(self.window, tokens_seen, forwards_seen)
+    self.policy.observe(last.window, tokens_seen, forwards_seen)
     return updates
 
   def _finish(self, row: int, rid: int, reason: str, drafted: int) -> None:
@@ -490,9 +522,9 @@ class Server:
   def warmup(self, prompt_len: int | None = None) -> None:
     """Compiles every variant `step` can meet with prompts of up to `prompt_len` tokens
     (default: max_len - 1): each batch bucket's insert of every prompt bucket, its
-    prefill and decoding steps at every window, harvest, stop and the moves between
-    buckets; a `WindowPolicy` also times each bucket's windows. The server's state and
-    requests are left as they were."""
+    prefill and decoding steps at every window, harvest, stop and the moves to the next
+    bucket up and down; a `WindowPolicy` also times each bucket's windows. The server's
+    state and requests are left as they were."""
     if self.drafter is not None or self.mesh is not None:
       raise ValueError("warmup covers one-device serving without a drafter.")
     prompt_len = min(prompt_len or self.max_len - 1, self.max_len - 1)
@@ -509,7 +541,7 @@ class Server:
         new = batching.bucket([[0] * p], b, max_new_tokens=1, stop_width=self.max_stop_ids)
         state = self._insert(state, np.full((b,), b, np.int32), new)
       for mode in modes:
-        run = functools.partial(loop.run_steps, self.config, self.params,
+        run = functools.partial(self.call, loop.run_steps, self.config, self.params,
                                 eos_ids=self.eos_ids, mask_token_id=np.int32(self.mask_token_id),
                                 mode=mode, runtime=self.runtime, mesh=self.mesh)
         for w in windows:
@@ -518,9 +550,12 @@ class Server:
         for width in {min(p, self.prefill_chunk) for p in widths} - {self.max_window}:
           state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
                       real_slots=width, window=self.max_window)
-      got = loop.harvest(state, np.zeros((b,), np.int32), width=self.harvest_width)
-      state = loop.stop(state, np.zeros((b,), bool), np.zeros((b,), np.int32), mesh=self.mesh)
-      for other in self.buckets:
+      got = self.call(loop.harvest, state, self.call(loop.copy_lengths, state.length),
+                      width=self.harvest_width)
+      state = self.call(loop.stop, state, np.zeros((b,), bool), np.zeros((b,), np.int32),
+                        mesh=self.mesh)
+      at = self.buckets.index(b)
+      for other in self.buckets[max(at - 1, 0):at] + self.buckets[at + 1:at + 2]:
         jax.block_until_ready(self._regroup(state, np.arange(other, dtype=np.int32)))
       jax.block_until_ready((got, state))
 
@@ -534,6 +569,15 @@ class Server:
     for _ in self.stream():
       pass
     return self.completed
+
+
+class _Round(NamedTuple):
+  """A dispatched round: its harvest (`loop.Harvest`, on the device), the lengths it
+  counts from (int32[b]), the request of each row when it was dispatched, its W."""
+  got: loop.Harvest
+  since: jax.Array | np.ndarray
+  slots: tuple[int | None, ...]
+  window: int
 
 
 @dataclasses.dataclass

@@ -1,0 +1,179 @@
+"""Compiled decoding programs, kept in memory and on disk: a server's warm start loads
+each variant's executable instead of tracing, lowering and compiling it again.
+
+  programs = Programs("~/.cache/mars_jax/jax/executables")
+  state = programs(loop.run_steps, config, params, state=state, ..., window=3)
+
+`programs(fn, *args, **kwargs)` calls the jitted `fn` as `fn(*args, **kwargs)` would,
+through the executable of that variant: an argument holding arrays (a jax or numpy
+array, or a pytree of them) is an input, and its shapes and dtypes pick the variant;
+any other argument (a config, a window, a mode, mesh=None) must be one of `fn`'s
+static arguments, and its value picks the variant. A variant met for the first time
+in the process is read from the directory when it is there (`deserialize_and_load`),
+else lowered, compiled and written there (atomically); later calls go straight to the
+executable. JAX's persistent compilation cache only skips XLA's compile: every start
+still traces and lowers each variant, which is most of a warm start (docs/serving.md).
+
+A file's name is a hash of the variant (the function, its static arguments, the
+inputs' shapes and dtypes) salted with what else decides the program: the jax and
+jaxlib versions, the backend and device kind, XLA_FLAGS, and the source of the
+mars_jax package (an edit of any module makes a new set). A file that fails to load
+(truncated, another jaxlib) is compiled again and replaced, with a warning.
+
+One device only: an input placed on a mesh is refused (a mesh server calls its
+programs through jit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from importlib import metadata
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _source_hash() -> str:
+  """sha256 of every .py file of the mars_jax package (paths and contents)."""
+  digest = hashlib.sha256()
+  for root, dirs, files in os.walk(_PACKAGE):
+    dirs.sort()
+    for name in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(root, name)
+      digest.update(os.path.relpath(path, _PACKAGE).encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()
+
+
+def salt() -> str:
+  """What decides a program besides its variant: versions, backend, device, flags,
+  the package's source."""
+  device = jax.devices()[0]
+  return repr((jax.__version__, metadata.version("jaxlib"), jax.default_backend(),
+               device.device_kind, os.environ.get("XLA_FLAGS", ""), _source_hash()))
+
+
+def _is_input(value: Any) -> bool:
+  return any(isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+             for leaf in jax.tree.leaves(value))
+
+
+def _signature(value: Any) -> tuple:
+  leaves, tree = jax.tree.flatten(value)
+  out = [tree]
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array):
+      if len(leaf.sharding.device_set) > 1:
+        raise ValueError("Programs serves one device; call a program on a mesh through jit.")
+      out.append((leaf.shape, leaf.dtype, leaf.weak_type))
+    else:
+      leaf = np.asarray(leaf)
+      out.append((leaf.shape, leaf.dtype, False))
+  return tuple(out)
+
+
+class Programs:
+  """The executables of jitted functions' variants (see the module doc).
+
+  directory: where executables are read and written (None: kept in memory only).
+  loaded, compiled: variants this process read from the directory, and compiled."""
+
+  def __init__(self, directory: str | None = None):
+    self.directory = directory and os.path.expanduser(directory)
+    if self.directory:
+      os.makedirs(self.directory, exist_ok=True)
+    self._salt: str | None = None
+    self._compiled: dict[tuple, Any] = {}
+    self._constants: dict[int, tuple[Any, tuple]] = {}
+    self.loaded = self.compiled = 0
+
+  def __len__(self) -> int:
+    return len(self._compiled)
+
+  def salt(self) -> str:
+    if self._salt is None:
+      self._salt = salt()
+    return self._salt
+
+  def _input_signature(self, value: Any) -> tuple:
+    """A signature; a pytree of 16 leaves or more (the weights) is remembered by
+    identity, and kept alive so its id is not reused."""
+    if isinstance(value, dict):
+      held = self._constants.get(id(value))
+      if held is not None and held[0] is value:
+        return held[1]
+      sig = _signature(value)
+      if len(sig) > 16:
+        self._constants[id(value)] = (value, sig)
+      return sig
+    return _signature(value)
+
+  def __call__(self, fn: Callable, *args, **kwargs):
+    inputs = tuple(_is_input(a) for a in args)
+    key_inputs = {k: _is_input(v) for k, v in kwargs.items()}
+    statics = (tuple((i, a) for i, (a, is_in) in enumerate(zip(args, inputs)) if not is_in),
+               tuple(sorted((k, v) for k, v in kwargs.items() if not key_inputs[k])))
+    shapes = (tuple(self._input_signature(a) for a, is_in in zip(args, inputs) if is_in),
+              tuple(sorted((k, self._input_signature(v)) for k, v in kwargs.items()
+                           if key_inputs[k])))
+    key = (fn, statics, shapes)
+    compiled = self._compiled.get(key)
+    dyn_args = tuple(a for a, is_in in zip(args, inputs) if is_in)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if key_inputs[k]}
+    if compiled is None:
+      compiled = self._compiled[key] = self._load_or_compile(fn, key, args, kwargs,
+                                                             (dyn_args, dyn_kwargs))
+    return compiled(*dyn_args, **dyn_kwargs)
+
+  def _path(self, key: tuple) -> str | None:
+    if not self.directory:
+      return None
+    fn, statics, shapes = key
+    name = f"{fn.__module__}.{fn.__name__}"
+    digest = hashlib.sha256(repr((self.salt(), name, statics, shapes)).encode()).hexdigest()
+    return os.path.join(self.directory, f"{fn.__name__}-{digest[:40]}.xla")
+
+  def _load_or_compile(self, fn: Callable, key: tuple, args, kwargs, dynamic):
+    path = self._path(key)
+    if path and os.path.exists(path):
+      try:
+        with open(path, "rb") as f:
+          payload, in_tree, out_tree = pickle.load(f)
+        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        self.loaded += 1
+        return compiled
+      except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
+        log.warning("compiling %s again: its saved executable %s did not load (%s: %s)",
+                    fn.__name__, path, type(e).__name__, e)
+    compiled = fn.lower(*args, **kwargs).compile()
+    if compiled.in_tree != jax.tree.structure(dynamic):
+      raise TypeError(f"{fn.__name__}: an argument without arrays is not one of its static "
+                      "arguments (or a static one holds arrays); call it through jit.")
+    self.compiled += 1
+    if path:
+      blob = pickle.dumps(serialize_executable.serialize(compiled))
+      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+      try:
+        with os.fdopen(fd, "wb") as f:
+          f.write(blob)
+        os.replace(tmp, path)
+      except BaseException:
+        os.unlink(tmp)
+        raise
+    return compiled
+
+
+def direct(fn: Callable, *args, **kwargs):
+  """Calls `fn` as it is (through jit): what a caller without `Programs` uses."""
+  return fn(*args, **kwargs)

@@ -220,12 +220,16 @@ class Bucket:
 
 
 def bucket(prompts: Sequence[Sequence[int]], rows: int, *, max_new_tokens,
-           **controls_kw) -> Bucket:
-  """n prompts in the first n of `rows` rows (rows >= n); max_new_tokens and the
-  controls (tau, metric, temperature, top_k, top_p, seed, stop_token_ids; see
+           width: int | None = None, **controls_kw) -> Bucket:
+  """n prompts in the first n of `rows` rows (rows >= n), `width` slots wide (default:
+  the longest prompt's power of two, at least MIN_PROMPT_BUCKET); max_new_tokens and
+  the controls (tau, metric, temperature, top_k, top_p, seed, stop_token_ids; see
   `controls`): one value, or one per prompt (as `sampling.generate`)."""
   n = len(prompts)
-  prompt = np.zeros((rows, pow2(max(map(len, prompts)), MIN_PROMPT_BUCKET)), np.int32)
+  longest = max(map(len, prompts))
+  if width is not None and width < longest:
+    raise ValueError(f"width={width} is below the longest prompt ({longest}).")
+  prompt = np.zeros((rows, width or pow2(longest, MIN_PROMPT_BUCKET)), np.int32)
   lens = np.ones((rows,), np.int32)
   for i, p in enumerate(prompts):
     prompt[i, :len(p)] = p

@@ -32,7 +32,7 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
   and top_p (`loop.Controls`; None: greedy). call: how the kernels are called
   (`programs.direct`, or a server's `Programs`)."""
   live = max(1, (cache_len - window - steps) // 2)
-  prompt = np.ones((batch, live), np.int32)
+  prompt = np.ones((batch, max(1, cache_len // 2)), np.int32)  # one width for every W
   rows = np.ones((batch,), np.int32)
   controls = loop.new_controls(batch).replace(lossless=np.full((batch,), mode == "lossless"))
   controls = controls.replace(**{name: np.full((batch,), value, getattr(controls, name).dtype)

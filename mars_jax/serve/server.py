@@ -11,14 +11,15 @@
 
 Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_round`):
 
-  1. batch bucket: the smallest power of two in [min_batch_size, batch_size] that
-     holds the active and queued requests; a change moves the active rows to a
-     state of that bucket (`loop.regroup`), so the load decides the compiled
-     batch, and with it the cost table row the window policy reads;
+  1. batch bucket: the smallest of min_batch_size x 4^k (and batch_size) that holds
+     the active and queued requests; a change moves the active rows to a state of
+     that bucket (`loop.regroup`, one bucket at a time), so the load decides the
+     compiled batch, and with it the cost table row the window policy reads;
   2. refill: every free row (its request finished) takes the next queued request
      (`loop.insert`), without touching the other rows; the new prompts are
      prefilled by the round's first steps, `prefill_chunk` tokens wide, while
-     the other rows keep decoding in the same forwards;
+     the other rows keep decoding in the same forwards. The prompts are inserted
+     `prompt_widths` wide (prefill_chunk x 8^k, and max_len): few variants to compile;
   3. decode: the policy picks W, at least the largest window a live request fixed
      (rounded up to one of the policy's windows or max_window, which bounds the
      compiled variants); the loop runs `round_steps` steps (`admit_steps` while the
@@ -86,6 +87,10 @@ from mars_jax.decoding import (batching, gates, loop, programs as programs_lib, 
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
+
+
+BUCKET_GROWTH = 4   # a batch bucket is min_batch_size x 4^k rows (or batch_size)
+PROMPT_GROWTH = 8   # an insert is prefill_chunk x 8^k (or max_len) tokens wide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +199,12 @@ class Server:
     if drafter is not None:
       self.models = (speculative.Model(config, runtime),
                      speculative.Model(drafter.config, drafter.runtime))
-    self.buckets = [b for b in (self.min_batch << i for i in range(self.max_batch.bit_length()))
+    self.buckets = [b for b in (self.min_batch * BUCKET_GROWTH ** i
+                                for i in range(self.max_batch.bit_length()))
                     if b < self.max_batch] + [self.max_batch]
+    widths = [w for w in (prefill_chunk * PROMPT_GROWTH ** i for i in range(max_len.bit_length()))
+              if 2 * w <= max_len]
+    self.prompt_widths = widths + [max_len]
     # a round's steps (its prefill steps for the longest prompt, then round_steps) each
     # commit at most extra_slots + 1 tokens a row
     self.harvest_width = min(max_len, (self.policy.round_steps + math.ceil(
@@ -385,7 +394,10 @@ class Server:
     started = [self.queue.popleft() for _ in free]
     b = len(self.slots)
     controls = {k: [r.controls[k] for r in started] for k in started[0].controls}
+    longest = max(len(r.prompt) for r in started)
     new = batching.bucket([r.prompt for r in started], b,
+                          width=None if self.drafter is not None else
+                          min(w for w in self.prompt_widths if w >= longest),
                           max_new_tokens=[r.max_new_tokens for r in started],
                           stop_width=self.max_stop_ids, **controls)
     rows = np.full((b,), b, np.int32)  # entry k: the row request k starts in (b: none)
@@ -528,9 +540,8 @@ class Server:
     if self.drafter is not None or self.mesh is not None:
       raise ValueError("warmup covers one-device serving without a drafter.")
     prompt_len = min(prompt_len or self.max_len - 1, self.max_len - 1)
-    widths = sorted({batching.pow2(p, batching.MIN_PROMPT_BUCKET) for p in
-                     range(1, prompt_len + 1)})
-    widths = [p for p in widths if p <= self.max_len]
+    widths = [w for w in self.prompt_widths
+              if w < prompt_len or w == min(v for v in self.prompt_widths if v >= prompt_len)]
     windows = sorted({*self.policy.windows, self.max_window})
     modes = ["lossless"] if self.mode == "lossless" else ["gated", "lossless"]
     for b in self.buckets:

@@ -17,8 +17,9 @@ per request reach max_tokens only because it practically never draws EOS; the JS
 the share of requests that ended at the length limit.
 
 Servers, one at a time, each a subprocess on a free port of 127.0.0.1, same directory:
-  auto          python -m mars_jax.serve --window auto --batch-size B --min-batch-size 1
-                --mode lossless ... --server-args, under JAX_LOG_COMPILES=1
+  auto          python -m mars_jax.serve --window auto, its defaults otherwise (the batch
+                from the free memory, lossless), or the bench's --batch-size, --windows,
+                --max-len and --server-args when given; under JAX_LOG_COMPILES=1
   w1            the same with --window 1 (our AR loop)
   transformers  transformers serve DIR --continuous-batching --device cpu (--peer-device);
                 it answers for the model named DIR exactly as given (the absolute path)
@@ -44,11 +45,11 @@ over the timed pass (GET /metrics before and after), and jax's compile log lines
 ("Compiling ... with global shapes") after ready: after the server's "ready in" line, or
 after /health first answered 200 when it prints none; in each timed pass, and in all.
 
-In-process (--in-process, default 64): `Server.from_model(load_model(DIR), ...)` in this
-process once the servers are stopped (the same --batch-size, --windows, --max-len), warmed
-up as our server is before it is ready (`server.warmup()`, its compilation cache), the
-same prompts (the chat template applied), max_tokens and users, stepped with
-`server.step()` (TTFT, ITL at the ends of rounds).
+In-process (--in-process, default 64): the `Server` our server's engine builds from the
+same flags (`serve.build.build_server`), in this process once the servers are stopped,
+warmed up as our server is before it is ready (`server.warmup()`, loading the programs
+it saved), the same prompts (the chat template applied), max_tokens and users, stepped
+with `server.step()` (TTFT, ITL at the ends of rounds).
 
 Every server started is stopped (SIGTERM, kill after --stop-timeout-s) even on failure,
 and its exit code reported; the run fails when ours did not exit 0 (transformers serve
@@ -73,7 +74,7 @@ import numpy as np
 
 from mars_jax.benchmarks.serve_procs import (ROOT, Launched, child_env, compiles,
                                              free_port, ours_command, peer_command,
-                                             per_forward, ready_offset, scrape)
+                                             per_forward, ready_offset, scrape, shape_flags)
 
 OURS = {"auto": "auto", "w1": "1"}  # our server kinds -> --window
 PEER = "transformers"
@@ -357,21 +358,16 @@ def engine_pass(server, prompts: list[list[int]], n: int, seconds: float,
 def bench_in_process(model_dir: str, chats: list, points: list[int], args) -> dict:
   """{kind: {N: figures}} of our kinds in this process (see the module doc)."""
   # pylint: disable=import-outside-toplevel
-  from mars_jax.decoding.window_policy import WindowPolicy
-  from mars_jax.decoding.loading import chat_prompt_ids, load_model
+  from mars_jax.decoding.loading import chat_prompt_ids
+  from mars_jax.serve.__main__ import parser
+  from mars_jax.serve.build import build_server
   from mars_jax.serve.engine import compilation_cache
-  from mars_jax.serve.server import Server
-  compilation_cache(None)  # our server's: the warmups below load what it compiled
-  model = load_model(model_dir)
-  prompts = [chat_prompt_ids(model.tokenizer, c) for c in chats]
+  cache = compilation_cache(None)  # our server's: the warmups below load what it saved
   out = {}
   for kind, window in OURS.items():
-    policy = (WindowPolicy(*([_ints(args.windows)] if args.windows else []))
-              if window == "auto" else int(window))
-    largest = max(policy.windows) if window == "auto" else 1
-    context = min(model.config.max_position_embeddings, MAX_CONTEXT) + largest - 1
-    server = Server.from_model(model, batch_size=args.batch_size, min_batch_size=1,
-                               mode="lossless", window=policy, max_len=args.max_len or context)
+    flags = parser().parse_args(["--model", model_dir, *shape_flags(window, args)])
+    server, model, _ = build_server(flags, cache)
+    prompts = [chat_prompt_ids(model.tokenizer, c) for c in chats]
     begin = time.perf_counter()
     server.warmup()  # as our server does before it is ready
     print(f"in-process {kind}: warmup {time.perf_counter() - begin:.1f} s", flush=True)
@@ -515,7 +511,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--warm-s", type=float, default=10.0, help="untimed pass per N, before it")
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--client-procs", type=int, default=2, help="client processes")
-  p.add_argument("--batch-size", type=int, default=64, help="our server's --batch-size")
+  p.add_argument("--batch-size", type=int, default=0,
+                 help="our server's --batch-size (default: the server's, from the free "
+                      "memory)")
   p.add_argument("--windows", default="",
                  help="our --window auto's --windows (default: the server's; in process "
                       "1,2,3,5)")

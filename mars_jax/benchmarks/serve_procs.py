@@ -35,12 +35,19 @@ def child_env(**extra: str) -> dict:
 
 
 def ours_command(model_dir: str, port: int, window: str, name: str, args) -> list[str]:
-  shape = [*(["--windows", args.windows] if args.windows and window == "auto" else []),
-           *(["--max-len", str(args.max_len)] if args.max_len else [])]
   return [sys.executable, "-m", "mars_jax.serve", "--model", model_dir, "--host", "127.0.0.1",
-          "--port", str(port), "--window", window, "--batch-size", str(args.batch_size),
-          "--min-batch-size", "1", "--mode", "lossless", "--served-model-name", name,
-          "--log-level", "warning", *shape, *shlex.split(args.server_args)]
+          "--port", str(port), "--served-model-name", name, "--log-level", "warning",
+          *shape_flags(window, args)]
+
+
+def shape_flags(window: str, args) -> list[str]:
+  """Our server's flags besides where it listens: --window, and the bench's --batch-size,
+  --windows, --max-len and --server-args when given (else the server's defaults)."""
+  return ["--window", window,
+          *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+          *(["--windows", args.windows] if args.windows and window == "auto" else []),
+          *(["--max-len", str(args.max_len)] if args.max_len else []),
+          *shlex.split(args.server_args)]
 
 
 def peer_command(model_dir: str, port: int, device: str) -> list[str]:

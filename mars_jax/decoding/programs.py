@@ -26,6 +26,7 @@ programs through jit).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -156,7 +157,8 @@ class Programs:
       except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
         log.warning("compiling %s again: its saved executable %s did not load (%s: %s)",
                     fn.__name__, path, type(e).__name__, e)
-    compiled = fn.lower(*args, **kwargs).compile()
+    with _without_compilation_cache():
+      compiled = fn.lower(*args, **kwargs).compile()
     if compiled.in_tree != jax.tree.structure(dynamic):
       raise TypeError(f"{fn.__name__}: an argument without arrays is not one of its static "
                       "arguments (or a static one holds arrays); call it through jit.")
@@ -172,6 +174,19 @@ class Programs:
         os.unlink(tmp)
         raise
     return compiled
+
+
+@contextlib.contextmanager
+def _without_compilation_cache():
+  """JAX's persistent compilation cache off: an XLA:CPU executable read from it keeps no
+  object code, and once serialized it fails to run in another process ("Function ...
+  not found"). The executables here are compiled afresh; this store is their cache."""
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
 
 
 def direct(fn: Callable, *args, **kwargs):

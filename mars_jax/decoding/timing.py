@@ -15,6 +15,7 @@ from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.decoding.window_policy import CostTable, Measure
 
 _COSTS: dict[tuple, CostTable] = {}
+MEASURE_STEPS = 8  # steps a policy's timing runs: a server times 5 buckets x 4 windows x 5
 
 
 def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, window: int,
@@ -57,12 +58,13 @@ def step_seconds(config: Qwen2Config, params, *, batch: int, cache_len: int, win
 def measure_fn(config: Qwen2Config, params, *, mode: Mode, mask_token_id: int,
                runtime: Runtime = DEFAULT_RUNTIME, mesh: Mesh | None = None,
                call=programs.direct) -> Measure:
-  """(batch, cache_len, window) -> seconds per step (one timed run: the policy repeats
-  it round-robin over the windows), for `WindowPolicy.choose`; call: as `step_seconds`'s."""
+  """(batch, cache_len, window) -> seconds per step (one timed run of MEASURE_STEPS
+  steps: the policy repeats it round-robin over the windows), for
+  `WindowPolicy.choose`; call: as `step_seconds`'s."""
   def measure(batch: int, cache_len: int, window: int) -> float:
     return step_seconds(config, params, batch=batch, cache_len=cache_len, window=window,
-                        mode=mode, mask_token_id=mask_token_id, repeats=1, runtime=runtime,
-                        mesh=mesh, call=call)
+                        mode=mode, mask_token_id=mask_token_id, steps=MEASURE_STEPS, repeats=1,
+                        runtime=runtime, mesh=mesh, call=call)
   return measure
 
 

@@ -549,7 +549,8 @@ class Server:
         self.policy.calibrate(b, self.max_len, self.measure)
       state = self._new_state(b)
       for p in widths:
-        new = batching.bucket([[0] * p], b, max_new_tokens=1, stop_width=self.max_stop_ids)
+        new = batching.bucket([[0] * p], b, max_new_tokens=1, width=p,
+                              stop_width=self.max_stop_ids)
         state = self._insert(state, np.full((b,), b, np.int32), new)
       for mode in modes:
         run = functools.partial(self.call, loop.run_steps, self.config, self.params,

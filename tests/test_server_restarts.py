@@ -4,14 +4,18 @@ tests/test_http_server.py) and real clients: it comes back, gives up when it mus
 SIGTERM while it compiles ends it at once."""
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import openai
 import pytest
-from test_http_server import (PROMPTS, _long, _post_all, _wait_for, complete, servers,  # noqa: F401
-                              spawn)
+from test_http_server import (PROMPTS, ROOT, _long, _post_all, _wait_for, complete,  # noqa: F401
+                              servers, spawn)
 
 from mars_jax.benchmarks.serve_procs import free_port
 
@@ -75,6 +79,8 @@ def test_a_dead_or_stuck_engine_comes_back_and_one_death_too_many_ends_the_serve
                for r in held)
     seen = _back(server)
     assert "restarting" in seen and seen[-1] == "ok", seen
+    health = httpx.get(f"{server.url}/health", timeout=5).json()  # the new engine's warmup:
+    assert health["programs_compiled"] == 0 < health["programs_loaded"], health  # all saved
     assert complete(server.client(), PROMPTS[0], max_tokens=5)[1] == "length"
   assert "ended no round for" in server.output()
   os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
@@ -105,5 +111,41 @@ def test_sigterm_while_compiling_ends_the_server_at_once(servers, tmp_path):
       proc.send_signal(signal.SIGTERM)
       assert proc.wait(30) == 0
       assert time.time() - begin < 10
+    finally:
+      proc.kill()
+
+
+def test_default_flags_size_the_batch_from_the_free_memory(servers, tmp_path):
+  """`python -m mars_jax.serve --model DIR` with its defaults (but --no-warmup: a cold
+  warmup of 256 rows of the real vocabulary is minutes here) logs the batch it sized
+  from the host's memory, 256 rows, and serves."""
+  port = free_port()
+  with open(tmp_path / "server.log", "w+") as log:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mars_jax.serve", "--model", servers.checkpoint, "--port",
+         str(port), "--no-warmup"],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}, cwd=ROOT,
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+      deadline = time.time() + 300
+      while time.time() < deadline:
+        try:
+          if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            break
+        except httpx.TransportError:
+          pass
+        assert proc.poll() is None, open(tmp_path / "server.log").read()
+        time.sleep(0.5)
+      client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                             max_retries=0, timeout=300)
+      got = client.chat.completions.create(model="hf", max_tokens=4,
+                                           messages=[{"role": "user", "content": PROMPTS[1]}])
+      assert got.usage.completion_tokens == 4
+      proc.send_signal(signal.SIGTERM)
+      assert proc.wait(60) == 0
+      text = open(tmp_path / "server.log").read()
+      assert re.search(r"batch: 256 rows: [\d.]+ MiB a row at --max-len \d+, [\d.]+ GiB for "
+                       r"the batch \(0\.9 x [\d.]+ GiB available on the host\) holds \d+, "
+                       r"capped at 256", text), text[-3000:]
     finally:
       proc.kill()

@@ -228,6 +228,8 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
       return JSONResponse({"status": "shutting down"}, status_code=503)
     return {"status": "ok", "startup_s": round(engine.ready.startup_s, 2),
             "warmup_s": round(engine.ready.warmup_s, 2),
+            "programs_loaded": engine.ready.programs_loaded,
+            "programs_compiled": engine.ready.programs_compiled,
             "failed_rounds": engine.metrics.failed_rounds,
             "last_failure": engine.metrics.last_failure or None}
 

@@ -126,7 +126,9 @@ class Loaded:
 @dataclasses.dataclass(frozen=True)
 class Ready:
   startup_s: float     # from the process start to ready
-  warmup_s: float      # of which compiling and timing the variants
+  warmup_s: float      # of which compiling (or loading) and timing the variants
+  programs_loaded: int = 0     # saved executables the warmup loaded
+  programs_compiled: int = 0   # and those it compiled (and saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +299,9 @@ def run(conn: Connection, args) -> None:
       server.warmup(args.warmup_prompt_len)
       if cost_path and hasattr(server.policy, "costs"):
         server.policy.costs.save(cost_path)
-    ready = Ready(time.perf_counter() - begin, time.perf_counter() - warm_begin)
     programs = server.call if isinstance(server.call, Programs) else None
+    ready = Ready(time.perf_counter() - begin, time.perf_counter() - warm_begin,
+                  programs.loaded if programs else 0, programs.compiled if programs else 0)
     log.info("ready in %.1f s (warmup %.1f s: %s; compilation cache %s)", ready.startup_s,
              ready.warmup_s, f"{len(programs)} programs, {programs.loaded} loaded, "
              f"{programs.compiled} compiled" if programs else "jit", cache)

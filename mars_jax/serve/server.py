@@ -150,7 +150,10 @@ class Server:
   device); tokenizer: decodes the text stop strings are found in (and
   `Completion.text`); max_stop_ids: stop ids a request may give; max_window: the
   largest window a request may fix (default: the policy's largest); drafter: decode
-  with it (a fixed window, one device), drafting up to draft_window tokens a round.
+  with it (a fixed window, one device), drafting up to draft_window tokens a round;
+  programs: call the kernels through these saved executables (`decoding.programs`; one
+  device, no drafter; None: through jit); overlap: dispatch each round before reading
+  the last one's harvest (step 4 of the module doc).
   """
 
   def __init__(self, config: Qwen2Config, params, *, mask_token_id: int,

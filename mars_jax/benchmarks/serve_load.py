@@ -331,9 +331,9 @@ def engine_pass(server, prompts: list[list[int]], n: int, seconds: float,
   for u in range(n):
     send(u, 0)
   while open_:
-    steps = int(server.decoded.steps)
+    steps = server.steps   # the forwards the harvests read (no sync on the device)
     updates = server.step()
-    batch_forwards += int(server.decoded.steps) - steps
+    batch_forwards += server.steps - steps
     now = time.perf_counter()
     for update in updates:
       rec = open_[update.request_id]

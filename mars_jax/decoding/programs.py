@@ -18,7 +18,10 @@ A file's name is a hash of the variant (the function, its static arguments, the
 inputs' shapes and dtypes) salted with what else decides the program: the jax and
 jaxlib versions, the backend and device kind, XLA_FLAGS, and the source of the
 mars_jax package (an edit of any module makes a new set). A file that fails to load
-(truncated, another jaxlib) is compiled again and replaced, with a warning.
+(truncated, another jaxlib), or to run at its first call (code missing from it: XLA's
+"Function ... not found"), is compiled again and replaced, with a warning. That code
+is missing from an XLA:CPU executable read from JAX's compilation cache, so the
+programs here are compiled with that cache off.
 
 One device only: an input placed on a mesh is refused (a mesh server calls its
 programs through jit).
@@ -38,6 +41,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,7 @@ class Programs:
     self._salt: str | None = None
     self._compiled: dict[tuple, Any] = {}
     self._constants: dict[int, tuple[Any, tuple]] = {}
+    self._untried: set[tuple] = set()   # loaded, not called yet
     self.loaded = self.compiled = 0
 
   def __len__(self) -> int:
@@ -135,7 +140,20 @@ class Programs:
     if compiled is None:
       compiled = self._compiled[key] = self._load_or_compile(fn, key, args, kwargs,
                                                              (dyn_args, dyn_kwargs))
-    return compiled(*dyn_args, **dyn_kwargs)
+    if key not in self._untried:
+      return compiled(*dyn_args, **dyn_kwargs)
+    self._untried.discard(key)
+    try:   # a loaded executable's first call
+      return compiled(*dyn_args, **dyn_kwargs)
+    except jax.errors.JaxRuntimeError as e:
+      if "not found" not in str(e).lower():
+        raise
+      log.warning("compiling %s again: its saved executable did not run (%s)", fn.__name__, e)
+      self.loaded -= 1
+      os.unlink(self._path(key))
+      compiled = self._compiled[key] = self._load_or_compile(fn, key, args, kwargs,
+                                                             (dyn_args, dyn_kwargs))
+      return compiled(*dyn_args, **dyn_kwargs)
 
   def _path(self, key: tuple) -> str | None:
     if not self.directory:
@@ -153,6 +171,7 @@ class Programs:
           payload, in_tree, out_tree = pickle.load(f)
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         self.loaded += 1
+        self._untried.add(key)
         return compiled
       except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
         log.warning("compiling %s again: its saved executable %s did not load (%s: %s)",
@@ -183,10 +202,12 @@ def _without_compilation_cache():
   not found"). The executables here are compiled afresh; this store is their cache."""
   was = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()   # JAX decides whether the cache is used once, then keeps it
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()
 
 
 def direct(fn: Callable, *args, **kwargs):

@@ -362,6 +362,7 @@ def test_per_request_windows_and_modes_share_a_batch(model):
     server.submit(prompts[0], max_new_tokens=4, mode="exact")
 
 
+@pytest.mark.e2e   # 15-25 s of compiling: the default suite has tests/test_programs.py
 def test_saved_programs_serve_what_jit_serves_and_a_second_server_loads_them(model, tmp_path):
   """A server calling its kernels through `Programs` (executables written to disk) gives
   the AR tokens while its batch moves one bucket at a time (4 rows, then fewer); a second

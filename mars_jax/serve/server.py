@@ -34,10 +34,11 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
      is lossless (`loop.Controls`);
   4. harvest: one device-to-host copy of each row's new tokens and counters
      (`loop.harvest`: O(new tokens), whatever the cache length); no other sync. With
-     `overlap` (the default) the round is dispatched, and its harvest with it, before
-     the previous round's harvest is read: the device runs round r while the host
-     reads and streams round r - 1 (and takes new requests). A row that finished in
-     round r - 1 is then refilled at round r + 1;
+     `overlap` (the default) and no request waiting for a row, the round's harvest is
+     read at the next step, after the next round is dispatched: the device runs round
+     r + 1 while the host reads and streams round r (and takes new requests). When
+     requests wait, a step reads what is in flight first and its own round at once,
+     so a row that finished is refilled at the next round;
   5. stop: rows whose new text holds one of their stop strings are cut after the
      token that completed it (`mars_jax.decoding.stops`: the new text only);
   6. stream: the tokens each request committed since the last step come back as
@@ -423,8 +424,11 @@ class Server:
 
   def step(self) -> list[Update]:
     """One round: cancel, resize, refill, decode, harvest, stop, stream (module doc);
-    with `overlap`, the updates are those of the round before (none on the first)."""
+    with `overlap`, the round it dispatched may be read at the next step (module doc)."""
     self._drop_cancelled()
+    early = []
+    if self._last is not None and self.queue:   # requests wait: free its rows first
+      early, self._last = self._harvest(self._last), None
     self._resize()
     width, prefill_steps = self._refill()
     if self.drafter is not None:
@@ -435,11 +439,13 @@ class Server:
       got = self.call(loop.harvest, self.decoded, before, width=self.harvest_width)
       return self._harvest(_Round(got, before, tuple(self.slots), self.window))
     last, self._last = self._last, None
-    if self.active:
-      self._last = self._dispatch(width, prefill_steps)
-    if not self.overlap:
-      last, self._last = self._last, None
-    return [] if last is None else self._harvest(last)
+    new = self._dispatch(width, prefill_steps) if self.active else None
+    updates = [] if last is None else self._harvest(last)
+    if new is not None and self.overlap and not self.queue:
+      self._last = new    # read at the next step, while the device runs the next round
+    elif new is not None:
+      updates += self._harvest(new)
+    return early + updates
 
   def _dispatch(self, width: int, prefill_steps: int) -> "_Round":
     """Dispatches a round and its harvest, waiting for neither."""

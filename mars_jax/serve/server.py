@@ -18,8 +18,10 @@ Each `step` is one round of the decoding loop (`mars_jax.decoding.rounds.run_rou
   2. refill: every free row (its request finished) takes the next queued request
      (`loop.insert`), without touching the other rows; the new prompts are
      prefilled by the round's first steps, `prefill_chunk` tokens wide, while
-     the other rows keep decoding in the same forwards. The prompts are inserted
-     `prompt_widths` wide (prefill_chunk x 8^k, and max_len): few variants to compile;
+     the other rows keep decoding in the same forwards (every row runs the step's
+     width, so it is the new prompts' power of two, at most prefill_chunk). The prompts
+     are inserted `prompt_widths` wide (prefill_chunk x 8^k, and max_len): few
+     variants to compile;
   3. decode: the policy picks W, at least the largest window a live request fixed
      (rounded up to one of the policy's windows or max_window, which bounds the
      compiled variants); the loop runs `round_steps` steps (`admit_steps` while the
@@ -400,8 +402,7 @@ class Server:
     controls = {k: [r.controls[k] for r in started] for k in started[0].controls}
     longest = max(len(r.prompt) for r in started)
     new = batching.bucket([r.prompt for r in started], b,
-                          width=None if self.drafter is not None else
-                          min(w for w in self.prompt_widths if w >= longest),
+                          width=None if self.drafter is not None else self._insert_width(longest),
                           max_new_tokens=[r.max_new_tokens for r in started],
                           stop_width=self.max_stop_ids, **controls)
     rows = np.full((b,), b, np.int32)  # entry k: the row request k starts in (b: none)
@@ -413,8 +414,17 @@ class Server:
     self.state = self._insert(self.state, rows, new)
     if self.drafter is not None:
       return new.prompt.shape[1], 1
-    width = min(new.prompt.shape[1], self.prefill_chunk)
-    return width, math.ceil(max(len(r.prompt) for r in started) / width)
+    width = self._prefill_width(longest)
+    return width, math.ceil(longest / width)
+
+  def _insert_width(self, longest: int) -> int:
+    return min(w for w in self.prompt_widths if w >= longest)
+
+  def _prefill_width(self, longest: int) -> int:
+    """The prefill step's width for new prompts of up to `longest` tokens: every row
+    runs it, so no wider than they need (a power of two), at most prefill_chunk."""
+    return min(batching.pow2(longest, batching.MIN_PROMPT_BUCKET), self.prefill_chunk,
+               self._insert_width(longest))
 
   def _kernel_mode(self, live: Sequence[dict]) -> Mode:
     """The kernel of a round: lossless on a lossless server (it gates gated rows too),
@@ -568,7 +578,8 @@ class Server:
         for w in windows:
           state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
                       real_slots=w, window=w)
-        for width in {min(p, self.prefill_chunk) for p in widths} - {self.max_window}:
+        prefill = {self._prefill_width(p) for p in range(1, prompt_len + 1)}
+        for width in prefill - {self.max_window}:
           state = run(state=state, max_steps=np.int32(1), stop_on_finish=np.bool_(False),
                       real_slots=width, window=self.max_window)
       got = self.call(loop.harvest, state, self.call(loop.copy_lengths, state.length),

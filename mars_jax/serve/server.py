@@ -74,10 +74,9 @@ the AR tokens (greedy, or sampled with its seed) whatever W the policy picks.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -90,52 +89,11 @@ from mars_jax.decoding import (batching, gates, loop, programs as programs_lib, 
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
+from mars_jax.serve.requests import Completion, Request, Round, Stream, Update
 
 
 BUCKET_GROWTH = 4   # a batch bucket is min_batch_size x 4^k rows (or batch_size)
 PROMPT_GROWTH = 8   # an insert is prefill_chunk x 8^k (or max_len) tokens wide
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """A queued request: its prompt, budget, `sampling.generate` controls and stops."""
-  request_id: int
-  prompt: tuple[int, ...]
-  max_new_tokens: int
-  controls: dict
-  stop: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Update:
-  """Tokens a request committed during one `Server.step` (streamed in order).
-
-  tokens: the new tokens; num_tokens, forwards: its totals so far; done: finished;
-  finish_reason: "eos", "stop" or "length" once done, else None.
-  """
-  request_id: int
-  tokens: list[int]
-  num_tokens: int
-  forwards: int
-  done: bool
-  finish_reason: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """A finished request: its continuation (up to and including its EOS or stop id, or
-  the token that completed a stop string), forwards, and why it ended ("eos", "stop",
-  "length"); text: as `GenerateResult.texts` when the server has a tokenizer."""
-  request_id: int
-  tokens: list[int]
-  forwards: int
-  finish_reason: str = "length"
-  text: str | None = None
-  drafter_forwards: int = 0  # with a drafter: the drafter forwards it drafted in
-
-  @property
-  def tokens_per_forward(self) -> float:
-    return len(self.tokens) / max(self.forwards, 1)
 
 
 class Server:
@@ -196,7 +154,7 @@ class Server:
     self.eos_ids = batching.eos_array(eos_token_ids)
     self.max_len, self.prefill_chunk = max_len, prefill_chunk
     self.tokenizer, self.max_stop_ids = tokenizer, max_stop_ids
-    self._streams: dict[int, _Stream] = {}
+    self._streams: dict[int, Stream] = {}
     self.call = (programs if programs is not None and mesh is None and drafter is None
                  else programs_lib.direct)
     self.measure = timing.measure_fn(config, params, mode=mode,
@@ -243,7 +201,7 @@ class Server:
     for rid in dropped:
       self._forget(rid)
     self.state = self._new_state(self.min_batch)
-    self._last: _Round | None = None   # a round dispatched, its harvest not read yet
+    self._last: Round | None = None   # a round dispatched, its harvest not read yet
     self.slots: list[int | None] = [None] * self.min_batch
     self.scan = stops.StopScan(self.tokenizer, [()] * self.min_batch)
     self._cancelled: set[int] = set()
@@ -410,7 +368,7 @@ class Server:
     for row, r in zip(free, started):
       self.slots[row] = r.request_id
       self.scan.reset(row, r.stop)
-      self._streams[r.request_id] = _Stream()
+      self._streams[r.request_id] = Stream()
     self.state = self._insert(self.state, rows, new)
     if self.drafter is not None:
       return new.prompt.shape[1], 1
@@ -447,7 +405,7 @@ class Server:
       before = self._lengths()
       self._spec_step(width)
       got = self.call(loop.harvest, self.decoded, before, width=self.harvest_width)
-      return self._harvest(_Round(got, before, tuple(self.slots), self.window))
+      return self._harvest(Round(got, before, tuple(self.slots), self.window))
     last, self._last = self._last, None
     new = self._dispatch(width, prefill_steps) if self.active else None
     updates = [] if last is None else self._harvest(last)
@@ -457,7 +415,7 @@ class Server:
       updates += self._harvest(new)
     return early + updates
 
-  def _dispatch(self, width: int, prefill_steps: int) -> "_Round":
+  def _dispatch(self, width: int, prefill_steps: int) -> "Round":
     """Dispatches a round and its harvest, waiting for neither."""
     since = self.call(loop.copy_lengths, self.state.length)
     live = [self._requests[r].controls for r in self.slots if r is not None]
@@ -471,7 +429,7 @@ class Server:
         runtime=self.runtime, steps=self.admit_steps if self.active < len(self.slots) else None,
         mesh=self.mesh, call=self.call)
     got = self.call(loop.harvest, self.state, since, width=self.harvest_width)
-    return _Round(got, since, tuple(self.slots), self.window)
+    return Round(got, since, tuple(self.slots), self.window)
 
   def _lengths(self) -> np.ndarray:
     """Each row's committed length as the host knows it (int32[b]; 0 on free rows)."""
@@ -496,7 +454,7 @@ class Server:
         wide=wide)
     self.window = self.max_window
 
-  def _harvest(self, last: "_Round") -> list[Update]:
+  def _harvest(self, last: "Round") -> list[Update]:
     """Reads a round's new tokens (one copy), cuts rows at their stop strings, tells the
     policy what the round accepted, and streams -> the updates. The round's rows are
     those of its dispatch: a request that ended since (finished, cut, cancelled) is
@@ -601,19 +559,3 @@ class Server:
     for _ in self.stream():
       pass
     return self.completed
-
-
-class _Round(NamedTuple):
-  """A dispatched round: its harvest (`loop.Harvest`, on the device), the lengths it
-  counts from (int32[b]), the request of each row when it was dispatched, its W."""
-  got: loop.Harvest
-  since: jax.Array | np.ndarray
-  slots: tuple[int | None, ...]
-  window: int
-
-
-@dataclasses.dataclass
-class _Stream:
-  """A running request's tokens so far and the forwards it took part in."""
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  forwards: int = 0

@@ -1,0 +1,72 @@
+"""What a request to the continuous-batching `Server` is, and what comes back: the
+queued `Request`, the `Update`s a step streams, the finished `Completion`; and the
+server's own records of a dispatched round (`Round`) and a running request's tokens
+(`Stream`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from mars_jax.decoding import loop
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A queued request: its prompt, budget, `sampling.generate` controls and stops."""
+  request_id: int
+  prompt: tuple[int, ...]
+  max_new_tokens: int
+  controls: dict
+  stop: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """Tokens a request committed during one `Server.step` (streamed in order).
+
+  tokens: the new tokens; num_tokens, forwards: its totals so far; done: finished;
+  finish_reason: "eos", "stop" or "length" once done, else None.
+  """
+  request_id: int
+  tokens: list[int]
+  num_tokens: int
+  forwards: int
+  done: bool
+  finish_reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """A finished request: its continuation (up to and including its EOS or stop id, or
+  the token that completed a stop string), forwards, and why it ended ("eos", "stop",
+  "length"); text: as `GenerateResult.texts` when the server has a tokenizer."""
+  request_id: int
+  tokens: list[int]
+  forwards: int
+  finish_reason: str = "length"
+  text: str | None = None
+  drafter_forwards: int = 0  # with a drafter: the drafter forwards it drafted in
+
+  @property
+  def tokens_per_forward(self) -> float:
+    return len(self.tokens) / max(self.forwards, 1)
+
+
+class Round(NamedTuple):
+  """A dispatched round: its harvest (`loop.Harvest`, on the device), the lengths it
+  counts from (int32[b]), the request of each row when it was dispatched, its W."""
+  got: loop.Harvest
+  since: jax.Array | np.ndarray
+  slots: tuple[int | None, ...]
+  window: int
+
+
+@dataclasses.dataclass
+class Stream:
+  """A running request's tokens so far and the forwards it took part in."""
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  forwards: int = 0

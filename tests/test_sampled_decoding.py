@@ -90,6 +90,7 @@ def cut_cases(vocab=1000):
           jnp.asarray(top_p, jnp.float32))
 
 
+@pytest.mark.e2e   # 35 s of compiling; the draws' exactness stays in the default suite
 def test_candidates_cut_as_the_sort_does():
   """Where the CANDIDATES largest logits decide the threshold, it keeps the sort's set;
   where they cannot (top_k > CANDIDATES; a nucleus open at the last candidate when

@@ -49,9 +49,10 @@ def reference(model, **kw):
 
 
 @pytest.mark.parametrize("name", ["self", "noisy", "other"])
-@pytest.mark.parametrize("k,target_window,drafter_window,tau", [
-    (1, 1, 1, 1.0), (4, 1, 1, 1.0), (4, 3, 1, 0.3), (3, 1, 4, 0.3), (4, 5, 4, 0.0),
-    (2, 4, 3, 0.5)])
+@pytest.mark.parametrize("k,target_window,drafter_window,tau", [   # half of them e2e (time)
+    (1, 1, 1, 1.0), pytest.param(4, 1, 1, 1.0, marks=pytest.mark.e2e), (4, 3, 1, 0.3),
+    pytest.param(3, 1, 4, 0.3, marks=pytest.mark.e2e),
+    pytest.param(4, 5, 4, 0.0, marks=pytest.mark.e2e), (2, 4, 3, 0.5)])
 def test_greedy_equals_the_targets_ar(model, drafters, name, k, target_window,
                                       drafter_window, tau):
   want = reference(model)
@@ -140,6 +141,7 @@ def test_server_with_a_drafter_equals_generate(model, drafters):
       server.submit(PROMPTS[0], max_new_tokens=4, **bad)
 
 
+@pytest.mark.e2e   # trains the toy: about a minute
 def test_a_target_whose_drafts_fill_k_skips_the_drafter(trained):
   """The trained toy (its MASK proposals are right) as the target at W_t = 4, K = 3: its
   own drafts fill K in most rounds, so the drafter (the toy, AR) skips them and catches

@@ -135,6 +135,7 @@ def test_a_step_trains_the_adapters_and_the_mask_row_and_nothing_else():
   assert moments == 2 * n_trainable and n_trainable < qwen2.num_params(frozen) / 5
 
 
+@pytest.mark.e2e   # time: the default suite's 12 minutes
 def test_micro_batches_are_exact_and_dropout_is_seeded():
   """Gradients of the adapters alone; 2 micro-batches give those of 1, with dropout too;
   dropout draws from its key (the same key, the same loss)."""

@@ -235,7 +235,7 @@ class CyclingWindow(FixedWindow):
     return self.cycle[-1]
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.8)])
+@pytest.mark.parametrize("top_k,top_p", [pytest.param(0, 1.0, marks=pytest.mark.e2e), (5, 0.8)])
 def test_lossless_and_tau_one_are_ar_sampling(model, top_k, top_p):
   """Lossless at W = 2, 4, 5 (fixed, in rounds of 3 steps, and W changed every round) and
   gated at tau 1: the tokens of AR sampling with the same seeds."""
@@ -376,6 +376,7 @@ def spanning_stop(tokenizer, tokens):
   raise AssertionError("no two tokens with printable text")
 
 
+@pytest.mark.e2e   # time: the default suite's 12 minutes
 def test_stop_strings_split_across_tokens(qwen_model):
   m = qwen_model
   prompt = m.tokenizer("Tell me a story.").input_ids

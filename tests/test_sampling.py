@@ -164,6 +164,7 @@ def test_batched_equals_one_by_one(model):
   assert batch.forwards == max(batch.num_forwards)
 
 
+@pytest.mark.e2e   # time: the default suite's 12 minutes
 def test_cache_holds_committed_kv(model):
   config, params = model
   state = sampling.decode_batch(config, params, PROMPTS, max_new_tokens=20,

@@ -105,6 +105,7 @@ def test_auto_is_xla_on_cpu():
   assert float(ref) == float(out) and max_tree_diff(g_ref, g_out) == 0.0
 
 
+@pytest.mark.e2e   # time: the default suite's 12 minutes
 def test_auto_train_step_compiles_splash_for_tpu():
   """The MARS train step with attention_impl="auto" (the shipped configs') compiles for
   4 TPU v5p chips (fsdp=4, compile only: JAX_PLATFORMS=cpu) with the splash kernel's

@@ -69,13 +69,12 @@ def salt() -> str:
                device.device_kind, os.environ.get("XLA_FLAGS", ""), _source_hash()))
 
 
-def _is_input(value: Any) -> bool:
-  return any(isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-             for leaf in jax.tree.leaves(value))
-
-
-def _signature(value: Any) -> tuple:
+def _signature(value: Any) -> tuple | None:
+  """The tree and each leaf's shape and dtype; None for a value without arrays (a
+  static argument)."""
   leaves, tree = jax.tree.flatten(value)
+  if not any(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in leaves):
+    return None
   out = [tree]
   for leaf in leaves:
     if isinstance(leaf, jax.Array):
@@ -112,31 +111,30 @@ class Programs:
       self._salt = salt()
     return self._salt
 
-  def _input_signature(self, value: Any) -> tuple:
-    """A signature; a pytree of 16 leaves or more (the weights) is remembered by
-    identity, and kept alive so its id is not reused."""
+  def _input_signature(self, value: Any) -> tuple | None:
+    """`_signature`; a dict of more than 16 leaves (the weights, the same object every
+    call) is remembered by identity, and kept alive so its id is not reused."""
     if isinstance(value, dict):
       held = self._constants.get(id(value))
       if held is not None and held[0] is value:
         return held[1]
       sig = _signature(value)
-      if len(sig) > 16:
+      if sig is not None and len(sig) > 16:
         self._constants[id(value)] = (value, sig)
       return sig
     return _signature(value)
 
   def __call__(self, fn: Callable, *args, **kwargs):
-    inputs = tuple(_is_input(a) for a in args)
-    key_inputs = {k: _is_input(v) for k, v in kwargs.items()}
-    statics = (tuple((i, a) for i, (a, is_in) in enumerate(zip(args, inputs)) if not is_in),
-               tuple(sorted((k, v) for k, v in kwargs.items() if not key_inputs[k])))
-    shapes = (tuple(self._input_signature(a) for a, is_in in zip(args, inputs) if is_in),
-              tuple(sorted((k, self._input_signature(v)) for k, v in kwargs.items()
-                           if key_inputs[k])))
+    arg_sigs = [self._input_signature(a) for a in args]
+    kwarg_sigs = {k: self._input_signature(v) for k, v in kwargs.items()}
+    statics = (tuple((i, a) for i, (a, sig) in enumerate(zip(args, arg_sigs)) if sig is None),
+               tuple(sorted((k, v) for k, v in kwargs.items() if kwarg_sigs[k] is None)))
+    shapes = (tuple(sig for sig in arg_sigs if sig is not None),
+              tuple(sorted((k, sig) for k, sig in kwarg_sigs.items() if sig is not None)))
     key = (fn, statics, shapes)
     compiled = self._compiled.get(key)
-    dyn_args = tuple(a for a, is_in in zip(args, inputs) if is_in)
-    dyn_kwargs = {k: v for k, v in kwargs.items() if key_inputs[k]}
+    dyn_args = tuple(a for a, sig in zip(args, arg_sigs) if sig is not None)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if kwarg_sigs[k] is not None}
     if compiled is None:
       compiled = self._compiled[key] = self._load_or_compile(fn, key, args, kwargs,
                                                              (dyn_args, dyn_kwargs))

@@ -14,8 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-from test_http_server import (PROMPTS, ROOT, _long, _post_all, _wait_for, complete,  # noqa: F401
-                              servers, spawn)
+from test_http_server import servers  # noqa: F401  (the module's fixture)
+from test_http_server import PROMPTS, ROOT, _long, _post_all, _wait_for, complete, spawn
 
 from mars_jax.benchmarks.serve_procs import free_port
 

@@ -42,7 +42,13 @@ def get_config():
       seeds=(0, 1, 2), rounding_check=True,
       parent_dir=ml_collections.config_dict.placeholder(str),
       parent_steps=c.stage1.steps, parent_learning_rate=c.stage1.learning_rate,
-      child_steps=300,  # docs/results.md's run (configs/tiny.py's stage 2 now runs 450)
+      child_steps=300,  # docs/results_300.md's run (configs/tiny.py's stage 2 now runs 450)
+      # "<variant>@<name>" trains that variant with these steps and learning rate
+      # (configs/study_stage2.py: "paper", stage 2 as long as stage 1).
+      schedules=ml_collections.ConfigDict(),
+      # Verdicts: "no worse" holds when the 95% interval of the difference lies above
+      # -margin points, does not hold when it lies below, and cannot be told otherwise.
+      margin=1.0,
       variants=("control", "mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8",
                 "noar_b16", "bd_b4", "lora_r32"),
       # The margin gate too: gates=('probability','margin') (twice the evaluation time).

@@ -3,6 +3,7 @@ t-intervals (against scipy), the paired claims and their verdicts, the float-rou
 line, the per-seed wall-clock and the Pareto plot with error bars. No training here: the
 miniature study through the CLI is tests/test_evaluate.py's."""
 
+import json
 import os
 
 import pytest
@@ -118,3 +119,80 @@ def test_one_seed_cannot_tell(cfg, tmp_path):
   study_report.write_report(cfg, results, str(tmp_path / "r.md"), "cmd")
   text = (tmp_path / "r.md").read_text()
   assert "| +5.0 (one seed) | +5.0 | **cannot tell** |" in text
+
+
+def test_a_schedule_sets_the_childs_steps_and_learning_rate(cfg):
+  """"<variant>@<schedule>": study.schedules' steps and learning rate; mars_b4_fixed: the
+  paper's fixed partition; an undefined schedule fails before any training."""
+  c = load(os.path.join(ROOT, "configs", "study_stage2.py"))
+  paper = study.variant_config(c, "mars_b4@paper", "p", seed=2)
+  assert (paper.train.steps, paper.optimizer.learning_rate) == (
+      c.stage1.steps, c.stage1.learning_rate) == (c.study.parent_steps, 2e-3)
+  assert paper.objective.random_block_offset and paper.objective.ar_weight == 1.0
+  fixed = study.variant_config(c, "mars_b4_fixed@paper", "p", seed=2)
+  assert not fixed.objective.random_block_offset and fixed.objective.block_size == 4
+  short = study.variant_config(c, "control", "p", seed=2)
+  assert (short.train.steps, short.optimizer.learning_rate) == (300, cfg.optimizer.learning_rate)
+  assert study.eval_settings("control@paper", c) == [("probability", 1, 1.0)]
+  with pytest.raises(ValueError, match=r"names schedule 'long', which study.schedules does "
+                                       r"not define \(it has \['paper'\]\)"):
+    study.run_study(_with(c, variants=("mars_b4@long",)), "unused")
+
+
+def test_processes_sharing_a_seed_keep_each_others_results(tmp_path):
+  path = str(tmp_path / "results.json")
+  assert study._record(path) == {}
+  study._record(path, "control", {"train_s": 1.0})
+  study._record(path, "mars_b4@paper", {"train_s": 2.0})   # another process, same seed
+  assert study._record(path) == {"control": {"train_s": 1.0}, "mars_b4@paper": {"train_s": 2.0}}
+
+
+@pytest.mark.parametrize("mean, values, kind, want", [
+    (-0.5, [-0.6, -0.5, -0.4], "not_worse", "holds"),
+    (-3.0, [-3.2, -3.0, -2.8], "not_worse", "does not hold"),
+    (-1.0, [-2.0, -1.0, 0.0], "not_worse", "cannot tell"),
+    (-90.0, [-91.0, -90.0, -89.0], "worse", "holds"),
+    (-0.2, [-0.3, -0.2, -0.1], "worse", "does not hold"),
+])
+def test_verdicts_weigh_the_interval_against_the_margin(mean, values, kind, want):
+  d = study_report.t_interval(values)
+  assert d.mean == pytest.approx(mean)
+  assert study_report.verdict(kind, d, margin=1.0) == want
+
+
+def test_a_study_of_two_arms_judges_each_and_draws_the_loss_curves(cfg, tmp_path):
+  """Runs "<variant>" and "<variant>@paper": every claim in each arm (MARS - control and
+  MARS - parent), the offset ablation, the arms compared, and the clean-stream loss of
+  every run from its metrics.jsonl (a child's step 0 is its parent's last value)."""
+  c = load(os.path.join(ROOT, "configs", "study_stage2.py"))
+  results = {}
+  for seed in range(3):
+    runs = {}
+    for name, acc, curve in (("parent", 90.0, {50: 1.0, 1200: 0.02}),
+                             ("control", 90.5, {50: 0.03, 300: 0.02}),
+                             ("mars_b4", 86.0, {50: 0.16, 300: 0.04}),
+                             ("control@paper", 91.0, {50: 0.03, 1200: 0.015}),
+                             ("mars_b4@paper", 90.0 + seed / 10, {50: 0.16, 1200: 0.02}),
+                             ("mars_b4_fixed@paper", 89.5, {50: 0.2, 1200: 0.03})):
+      run_dir = tmp_path / f"s{seed}" / name
+      run_dir.mkdir(parents=True)
+      with open(run_dir / "metrics.jsonl", "w") as f:
+        for step, v in curve.items():
+          f.write(json.dumps({"step": step, "loss": 1.0, "eval_ce_ar": v}) + "\n")
+      rows = [(1, 1.0, acc, 1.0)] + ([(4, 0.95, acc - 0.2, 2.5)] if "mars" in name else [])
+      runs[name] = {**_result(rows), "run_dir": str(run_dir)}
+    results[seed] = runs
+  path = tmp_path / "results.md"
+  study_report.write_report(c, results, str(path), "cmd")
+  text = path.read_text()
+  verdicts = {l.split(" | ")[2].split(" (")[0]: l.rsplit("**", 2)[1]
+              for l in text.splitlines() if l.startswith("| ") and " AR mode - " in l}
+  assert verdicts["mars_b4 AR mode - control AR mode"] == "does not hold"      # -4.5
+  assert verdicts["mars_b4@paper AR mode - control@paper AR mode"] == "cannot tell"  # -0.9 ± 0.2
+  assert verdicts["mars_b4@paper AR mode - parent AR mode"] == "holds"        # +0.1
+  assert verdicts["mars_b4@paper AR mode - mars_b4_fixed@paper AR mode"] == "holds"
+  assert "| mars_b4@paper AR mode - mars_b4 AR mode | +4.1 ± 0.2 |" in text
+  assert "a margin of 1 point(s)" in text and "at learning rate 0.002 instead" in text
+  assert "| mars_b4@paper | 0.0200 | 0.1600 |  |  | 0.0200 (step 1200) |" in text
+  assert "| control | 0.0200 | 0.0300 |  | 0.0200 | 0.0200 (step 300) |" in text
+  assert (tmp_path / "results_curves.png").stat().st_size > 0

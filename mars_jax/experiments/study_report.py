@@ -4,20 +4,23 @@ with a verdict, the float-rounding spread, the Pareto plot with error bars, and 
 wall-clock of every run. The runs themselves are mars_jax/training/study.py's.
 
 A claim is judged on the 95% interval of its paired difference (the same seed's two
-runs, in accuracy points): a claim that one run is no worse than another holds when the
-interval lies at or above 0, does not hold when it lies below 0, and cannot be told
-otherwise; a claim that one run is worse is judged the other way round. One seed gives
-no interval, and every verdict is then "cannot tell".
+runs, in accuracy points) against the margin `study.margin` (m points): a claim that one
+run is no worse than another holds when the interval lies at or above -m, does not hold
+when it lies below -m, and cannot be told otherwise; a claim that one run is worse holds
+when the interval lies below -m and does not hold when it lies at or above -m. One seed
+gives no interval, and every verdict is then "cannot tell". A study with schedules
+(`study.schedules`, runs named "<variant>@<schedule>") judges every claim in each arm.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import NamedTuple, Sequence
 
 from mars_jax.data import task_settings
-from mars_jax.experiments.study import UNROLLED_PARENT, split_settings
+from mars_jax.experiments.study import UNROLLED_PARENT, objective_of, split_settings
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond, 1.96.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
@@ -74,10 +77,18 @@ CLAIMS = (
     Claim("MARS in AR mode keeps the AR-SFT model's accuracy (MARS - control)",
           "matches or exceeds AR-SFT: 0.5B 30.4 vs 28.7, 7B 58.1 vs 56.6 (+1.7, +1.5)",
           "not_worse", tuple((f"mars_b{b}", AR, "control", AR) for b in (4, 8, 16))),
+    Claim("MARS in AR mode keeps the stage-1 parent's accuracy (MARS - parent: the "
+          "paper's AR-SFT baseline is the stage-1 checkpoint)",
+          "0.5B 30.4 vs 28.7, 7B 58.1 vs 56.6 (+1.7, +1.5)",
+          "not_worse", tuple((f"mars_b{b}", AR, "parent", AR) for b in (4, 8, 16))),
     Claim("MARS at tau 0.95 (W = B) keeps its own AR-mode accuracy (tau 0.95 - AR mode)",
           "baseline-level accuracy at 1.5-1.7x throughput (authors' note, GSM8K at tau "
           "0.95: 70.7 vs AR-SFT's 68.4, 1.785 tokens/forward)",
           "not_worse", tuple((f"mars_b{b}", _tau95(b), f"mars_b{b}", AR) for b in (4, 8, 16))),
+    Claim("Our random block offset keeps the accuracy of the paper's fixed partition "
+          "(offset - fixed, MARS B=4)", "the paper's blocks start at position 0 (no figure)",
+          "not_worse", (("mars_b4", AR, "mars_b4_fixed", AR),
+                        ("mars_b4", _tau95(4), "mars_b4_fixed", _tau95(4)))),
     Claim("Without the AR loss, AR-mode accuracy falls (no-AR - MARS)",
           "the AR loss is what keeps quality at larger B (no single figure)",
           "worse", tuple((f"noar_b{b}", AR, f"mars_b{b}", AR) for b in (4, 8, 16))),
@@ -85,6 +96,20 @@ CLAIMS = (
           "no figure in the paper", "not_worse",
           (("lora_r32", AR, "mars_b4", AR), ("lora_r32", _tau95(4), "mars_b4", _tau95(4)))),
 )
+
+# Runs that belong to no arm: the parent is every arm's.
+_SHARED = ("parent", UNROLLED_PARENT)
+
+
+def arms(results: dict[int, dict]) -> list[str]:
+  """The schedule suffixes of the study's runs, "" (study.child_steps) first: "@paper"."""
+  names = {n for res in results.values() for n in res}
+  return sorted({n[n.index("@"):] if "@" in n else "" for n in names if n not in _SHARED},
+                key=lambda a: (a != "", a))
+
+
+def _in_arm(name: str, arm: str) -> str:
+  return name if name in _SHARED else name + arm
 
 
 def paired(results: dict[int, dict], a: str, sa: tuple, b: str, sb: tuple) -> Interval | None:
@@ -99,10 +124,15 @@ def paired(results: dict[int, dict], a: str, sa: tuple, b: str, sb: tuple) -> In
   return t_interval(diffs) if diffs else None
 
 
-def verdict(kind: str, d: Interval) -> str:
+def verdict(kind: str, d: Interval, margin: float = 0.0) -> str:
+  """'holds', 'does not hold' or 'cannot tell' for a claim of `kind` on the interval `d`,
+  against `margin` points (the module docstring)."""
   if d.half is None:
     return "cannot tell"
-  good, bad = (d.low >= 0, d.high < 0) if kind == "not_worse" else (d.high < 0, d.low >= 0)
+  if kind == "not_worse":
+    good, bad = d.low >= -margin, d.high < -margin
+  else:
+    good, bad = d.high < -margin, d.low >= -margin
   return "holds" if good else "does not hold" if bad else "cannot tell"
 
 
@@ -125,22 +155,45 @@ def _setting_name(run: str, s: tuple, results: dict[int, dict]) -> str:
   return f"{run} tau {s[2]:.2f} W={s[1]} ({_pm(tpf, '.2f')} tokens/forward)"
 
 
-def claim_lines(results: dict[int, dict]) -> list[str]:
-  """The claim table: one row per comparison whose runs the study has, the claim and the
-  paper's figure on its first."""
+def claim_lines(results: dict[int, dict], margin: float = 0.0) -> list[str]:
+  """The claim table: one row per comparison whose runs the study has, in every arm, the
+  claim and the paper's figure on its first."""
   lines = ["| claim | paper | comparison | ours: mean difference ± 95% interval (points) "
            "| per seed | verdict |", "|---|---|---|---:|---|---|"]
   for c in CLAIMS:
     first = True
-    for a, sa, b, sb in c.pairs:
-      d = paired(results, a, sa, b, sb)
-      if d is None:
-        continue
-      text, paper, first = (c.text, c.paper, False) if first else ("", "", False)
-      lines.append(f"| {text} | {paper} | {_setting_name(a, sa, results)} - "
-                   f"{_setting_name(b, sb, results)} | {_pm(d, '+.1f')} | {_values(d, '+.1f')} | "
-                   f"**{verdict(c.kind, d)}** |")
+    for arm in arms(results):
+      for a, sa, b, sb in c.pairs:
+        a, b = _in_arm(a, arm), _in_arm(b, arm)
+        d = paired(results, a, sa, b, sb)
+        if d is None:
+          continue
+        text, paper, first = (c.text, c.paper, False) if first else ("", "", False)
+        lines.append(f"| {text} | {paper} | {_setting_name(a, sa, results)} - "
+                     f"{_setting_name(b, sb, results)} | {_pm(d, '+.1f')} | "
+                     f"{_values(d, '+.1f')} | **{verdict(c.kind, d, margin)}** |")
   return lines
+
+
+def schedule_lines(results: dict[int, dict], margin: float = 0.0) -> list[str]:
+  """Each arm against the first ("" : study.child_steps): the same variant's AR mode (and
+  tau 0.95 for MARS), paired per seed; [] for a study of one arm."""
+  others = arms(results)[1:]
+  if not others or "" not in arms(results):
+    return []
+  lines = ["| comparison | mean difference ± 95% interval (points) | per seed | verdict "
+           "(no worse) |", "|---|---:|---|---|"]
+  for arm in others:
+    for name in dict.fromkeys(n.split("@")[0] for res in results.values() for n in res
+                              if n.endswith(arm)):
+      variant = objective_of(name)
+      for s in (AR,) if variant.kind == "ar_sft" else (AR, _tau95(variant.block)):
+        d = paired(results, name + arm, s, name, s)
+        if d is not None:
+          lines.append(f"| {_setting_name(name + arm, s, results)} - "
+                       f"{_setting_name(name, s, results)} | {_pm(d, '+.1f')} | "
+                       f"{_values(d, '+.1f')} | **{verdict('not_worse', d, margin)}** |")
+  return lines if len(lines) > 2 else []
 
 
 def settings_table(results: dict[int, dict], names: list[str]) -> dict[tuple, dict]:
@@ -219,6 +272,84 @@ def pareto(table: dict[tuple, dict], path: str) -> None:
   plt.close(fig)
 
 
+CURVE_METRIC = "eval_ce_ar"   # the held-out clean-stream (AR) loss, logged every eval step
+
+
+def loss_curve(run_dir: str) -> dict[int, float]:
+  """step -> the held-out clean-stream loss of a run (its metrics.jsonl; the last record
+  of a step a resumed run logged twice); {} without one."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  out: dict[int, float] = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        rec = json.loads(line)
+        if CURVE_METRIC in rec:
+          out[int(rec["step"])] = float(rec[CURVE_METRIC])
+  return out
+
+
+def curves(results: dict[int, dict]) -> dict[str, dict[int, Interval]]:
+  """run -> step -> the clean-stream loss over the seeds that logged it; a child's step 0
+  is its parent's last logged value (the weights it starts from)."""
+  out: dict[str, dict[int, list]] = {}
+  for res in results.values():
+    parent = loss_curve(res["parent"]["run_dir"]) if "run_dir" in res.get("parent", {}) else {}
+    for name, r in res.items():
+      if name == UNROLLED_PARENT or "run_dir" not in r:
+        continue
+      curve = loss_curve(r["run_dir"])
+      if name != "parent" and curve and parent:
+        curve = {0: parent[max(parent)], **curve}
+      for step, v in curve.items():
+        out.setdefault(name, {}).setdefault(step, []).append(v)
+  return {n: {st: t_interval(v) for st, v in sorted(c.items())} for n, c in out.items()}
+
+
+def curve_lines(table: dict[str, dict[int, Interval]]) -> list[str]:
+  """The clean-stream loss of every child at a few steps: 0, 50, 100, 300 and its last."""
+  lines = ["| run | " + " | ".join(f"step {s}" for s in ("0", "50", "100", "300", "last"))
+           + " |", "|---|" + "---:|" * 5]
+  for name, c in table.items():
+    if name == "parent":
+      continue
+    last = max(c)
+    cells = [c.get(s) for s in (0, 50, 100, 300)] + [c[last]]
+    lines.append(f"| {name} | " + " | ".join(
+        "" if iv is None else f"{iv.mean:.4f}" for iv in cells[:4])
+        + f" | {cells[4].mean:.4f} (step {last}) |")
+  return lines
+
+
+def plot_curves(table: dict[str, dict[int, Interval]], parent_steps: int, path: str) -> None:
+  """The clean-stream loss over steps, mean over seeds with its 95% band: the parent from
+  0, each child from the parent's end."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for k, (name, c) in enumerate(table.items()):
+    offset = 0 if name == "parent" else parent_steps
+    steps = [offset + s for s in c]
+    mean = [iv.mean for iv in c.values()]
+    color = "black" if name == "parent" else plt.cm.tab10.colors[k % 10]
+    ax.plot(steps, mean, lw=1.2, color=color, label=name,
+            ls="--" if "@" not in name and name != "parent" else "-")
+    if all(iv.half is not None for iv in c.values()):
+      ax.fill_between(steps, [iv.low for iv in c.values()], [iv.high for iv in c.values()],
+                      color=color, alpha=0.12)
+  ax.set_yscale("log")
+  ax.set_xlabel("step (children start at the parent's last)")
+  ax.set_ylabel("held-out clean-stream loss (nats)")
+  ax.set_title("clean-stream (AR) loss over steps (mean, 95% band over seeds)", fontsize=9)
+  ax.grid(alpha=0.3, which="both")
+  if table:
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def write_report(cfg, results: dict[int, dict], path: str, command: str) -> None:
   """docs/results.md from {seed: {run: result}} (study.run_study's)."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -227,7 +358,17 @@ def write_report(cfg, results: dict[int, dict], path: str, command: str) -> None
   names = list(dict.fromkeys(n for res in results.values() for n in res))
   table = settings_table(results, [n for n in names if n != UNROLLED_PARENT])
   pareto(table, plot)
+  loss_table = curves(results)
+  curve_plot = os.path.splitext(path)[0] + "_curves.png"
+  if loss_table:
+    plot_curves(loss_table, cfg.study.parent_steps, curve_plot)
   s = cfg.study
+  margin = float(s.get("margin", 0.0))
+  schedules = s.get("schedules") or {}
+  arm_text = "".join(
+      f"; runs named `<variant>@{k}` train {v['steps']} steps at learning rate "
+      f"{v['learning_rate']:g} instead" for k, v in schedules.items()
+      if any(n.endswith("@" + k) for n in names))
   own = split_settings(task_settings(cfg.data))
   spent = sum(r["train_s"] + r["eval_s"] for res in results.values() for r in res.values())
   lines = [
@@ -235,8 +376,9 @@ def write_report(cfg, results: dict[int, dict], path: str, command: str) -> None
       f"Command: `{command}`", "",
       f"Seeds {', '.join(map(str, seeds))}: each seed trains its own AR-SFT parent from "
       f"random init ({s.parent_steps} steps; the seed sets the init, the masking and the "
-      f"data order), then every variant trains {s.child_steps} steps from its own seed's "
-      f"parent. Model: {cfg.model.overrides.num_hidden_layers} layers, hidden "
+      f"data order, at learning rate {s.parent_learning_rate:g}), then every variant trains "
+      f"{s.child_steps} steps from its own seed's parent at learning rate "
+      f"{cfg.optimizer.learning_rate:g}{arm_text}. Model: {cfg.model.overrides.num_hidden_layers} layers, hidden "
       f"{cfg.model.overrides.hidden_size}; batch {cfg.train.batch_size}, length "
       f"{cfg.data.max_length}. Every seed is scored on the same {s.num_problems} held-out "
       f"problems, greedy, from the synthetic test split (difficulty "
@@ -251,10 +393,20 @@ def write_report(cfg, results: dict[int, dict], path: str, command: str) -> None
         if res.get("synthetic") not in (None, own)],
       "## What holds", "",
       "Each claim as a paired difference per seed (the same seed's two runs), in accuracy "
-      "points. A claim that one run is no worse holds when the whole interval is at or "
-      "above 0, does not hold when it is below 0, and cannot be told otherwise; the "
-      "no-AR claim (that accuracy falls) the other way round.", "",
-      *claim_lines(results), "",
+      f"points, judged against a margin of {margin:g} point(s): a claim that one run is no "
+      f"worse holds when the whole interval lies at or above -{margin:g}, does not hold "
+      f"when it lies below -{margin:g}, and cannot be told otherwise; the no-AR claim (that "
+      f"accuracy falls) holds when the interval lies below -{margin:g}.", "",
+      *claim_lines(results, margin), "",
+      *(["## The schedules compared", "",
+         "Each run of an arm minus the same variant in the first arm, paired per seed "
+         f"(no worse: the interval at or above -{margin:g}).", "",
+         *schedule_lines(results, margin), ""] if schedule_lines(results, margin) else []),
+      *(["## Held-out clean-stream loss over steps", "",
+         f"`{CURVE_METRIC}` (the AR stream's cross-entropy on the held-out batches, nats), "
+         "mean over seeds; a child's step 0 is its parent's last value.", "",
+         *curve_lines(loss_table), "",
+         f"![clean-stream loss]({os.path.basename(curve_plot)})", ""] if loss_table else []),
       *rounding_lines(results),
       "## Accuracy and tokens per forward", "",
       "| run | gate | W | tau | accuracy | per seed | tokens/forward | per seed |",

@@ -119,7 +119,7 @@ def test_the_key_follows_what_changes_the_tokens(setup, tmp_path):
   tok = setup["tok"]
   src = write_chats(tmp_path / "a.jsonl", 40, bad=False)
   cfg = {"source": src, "cache_dir": str(tmp_path / "c"), "max_length": 128}
-  dirs = lambda: sorted(os.listdir(tmp_path / "c"))  # noqa: E731
+  dirs = lambda: sorted(d for d in os.listdir(tmp_path / "c") if d[0] != ".")  # noqa: E731
   load_data(cfg, tok)
   assert len(dirs()) == 1
   report = cache.BuildReport()
@@ -142,18 +142,34 @@ def test_the_key_follows_what_changes_the_tokens(setup, tmp_path):
   assert len(dirs()) == 5 and data.stats.records == 41
 
 
-def test_a_damaged_cache_is_refused_with_the_fix(setup, tmp_path):
+def test_a_damaged_key_is_rebuilt_and_a_flipped_byte_found_by_verify(setup, tmp_path):
+  """Opening checks sizes, not bytes: a truncated file or manifest is found at once and
+  the key rebuilt; a flipped byte only under verify (prepare --verify), which rebuilds
+  it too; both give the batches of the whole cache."""
+  from mars_jax.data import pipeline  # pylint: disable=import-outside-toplevel
   src = write_chats(tmp_path / "a.jsonl", 20, bad=False)
   cfg = {"source": src, "cache_dir": str(tmp_path / "c")}
-  load_data(cfg, setup["tok"])
-  (key,) = os.listdir(tmp_path / "c")
+  want = load_data(cfg, setup["tok"]).train[3]
+  (key,) = [d for d in os.listdir(tmp_path / "c") if d[0] != "."]
   tokens = tmp_path / "c" / key / "shard-00000" / "tokens.npy"
-  raw = bytearray(tokens.read_bytes())
-  raw[-1] ^= 1
-  tokens.write_bytes(bytes(raw))
-  with pytest.raises(cache_files.CacheError, match=r"tokens.npy: changed since it was written.*"
-                                             r"delete .* and build it again"):
-    load_data(cfg, setup["tok"])
+  for damage in ("truncate", "manifest", "flip"):
+    if damage == "truncate":
+      tokens.write_bytes(tokens.read_bytes()[:-4])
+    elif damage == "manifest":
+      manifest = tmp_path / "c" / key / "manifest.json"
+      manifest.write_text(manifest.read_text()[:40])
+    else:
+      raw = bytearray(tokens.read_bytes())
+      raw[-1] ^= 1
+      tokens.write_bytes(bytes(raw))
+      report = cache.BuildReport()
+      pipeline.prepare_cache(cfg, setup["tok"], report=report)
+      assert report.repaired == 0   # a size check cannot see it
+    report = cache.BuildReport()
+    files = pipeline.prepare_cache(cfg, setup["tok"], report=report, verify=damage == "flip")
+    assert (report.repaired, report.built) == (1, 1), damage
+    _equal(load_data(cfg, setup["tok"]).train[3], want)
+    assert len(files[0]) == 20
 
 
 @pytest.fixture(scope="module")

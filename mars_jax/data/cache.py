@@ -3,43 +3,63 @@ built in parallel and resumably, read lazily by offset (docs/data.md, "The token
 cache").
 
   files = ensure(paths, tokenizer, settings, cache_dir=default_dir(), workers=0)
-  files[0].records, files[0].bad, files[0].example(3)  # -> (tokens, loss_mask) views
+  files[0].records, files[0].bad, files[0].example(3)  # -> (tokens, loss_mask)
 
-This module builds; `cache_files.py` opens, checks and reads what it built.
+This module builds; `cache_files.py` opens, checks and reads what it built;
+`cache_admin.py` lists and cleans keys.
 
 Layout: one directory per key, `CACHE_DIR/<key>/`, where the key hashes everything
-that changes the tokens of one file: the file's identity (path, size, mtime and a hash
-of its bytes: the first and last MiB, or all of them with `full_hash`), the
-tokenizer (its whole serialized form, special tokens and chat template),
-`template_kwargs`, `train_on`, the record format, the shard size and FORMAT_VERSION.
-Not the seed, row length, truncation, packing, held-out split or process count:
-those are applied when reading (pipeline.py). A changed file, tokenizer or template
-is another key, so old tokens are never read for new inputs.
+that changes the tokens of one file: the file's content (its size and the sha256 of
+all its bytes, or with `data.cache_hash=sample` of its first and last MiB), never its
+path or dates, so a copy on another mount or a download of the same bytes finds the
+same key; the tokenizer (its whole serialized form, special tokens and chat templates),
+`template_kwargs`, `train_on`, the record format, the shard size and
+cache_files.FORMAT_VERSION. Not the seed, row length, truncation, packing, held-out
+split or process count: those are applied when reading (pipeline.py). A changed file,
+tokenizer or template is another key, so old tokens are never read for new inputs. A
+file's content hash is computed once per (path, size, mtime, inode) and remembered in
+`CACHE_DIR/.stat/` (where it can be written).
 
-  <key>/key.json         what the key hashes (for people)
+  <key>/key.json         what the key hashes, and the path that built it (for people)
   <key>/shard-00000/     records [0, S) of the file (lines of JSONL, rows of tables):
       tokens.npy   int32[T]   every kept example's tokens, untruncated, back to back
       loss_mask.npy bool[T]   targets
       offsets.npy  int64[n+1] example i is tokens[offsets[i]:offsets[i+1]]
-      lines.npy    int64[n]   its line (JSONL, from 1) or row (tables, from 0)
+      lines.npy    int64[n]   its line (JSONL, from 1) or row (tables, arrays, from 0)
       valid.npy    int64[n]   its index among the shard's well-formed records
       first_target.npy int32[n] its first target's position
       bad.jsonl               the shard's bad records: [kind, line or row, reason]
       meta.json               counts and each file's size and crc32 (written last)
-  <key>/manifest.json    the shards and the file's totals: written when every shard is
+  <key>/index.npz        every example's line, valid index, first target, length,
+                         shard and start, for the whole file (one read on open)
+  <key>/bad.jsonl        every shard's bad records, in file order
+  <key>/manifest.json    the commit: the shards with every file's size and crc32, and
+                         the file's totals; written when every shard is
+  <key>/last_used        touched by readers (prepare --list)
   <key>/derived/NAME.npy a value per example computed from the cache, e.g. the
                          objective's target-block lengths (FileCache.per_example)
 
-A shard is written into a temporary directory and renamed into place, so it exists
-whole or not at all; the manifest, written last the same way, is the commit. A build
+A shard is written into a temporary directory, its files and the directory synced, and
+renamed into place, so it exists whole or not at all; the index, the bad records and
+then the manifest are written the same way, and the manifest is the commit. A build
 killed at any point loses only the shards being written (one per worker); the next
-build finds the rest and finishes. Opening a committed key checks every array's size
-and crc32 against its shard's meta.json.
+build finds the rest and finishes. A build that fails (a full disk, a worker that
+raises) stops the other workers, removes its temporary files and raises what failed.
+Opening a committed key checks every file's size against the manifest (every byte's
+crc32 after a build and under `prepare --verify`); a damaged key (a manifest that does
+not parse, a file of the wrong size) is rebuilt where it can be written and refused
+with the fix where it cannot.
+
+Compressed JSONL (.jsonl.gz, .jsonl.zst) and JSON-array files (.json holding one list
+of records) are first written out as JSON lines beside the shards being built, and
+removed after. Parquet shards are whole row groups (a row group larger than a shard is
+one shard, read in batches).
 
 Building: the records of all files are cut into shards of `shard_records`; process p
-of k builds shards p, p+k, ... with a pool of `workers` forked processes, waits at
-`barrier` (all processes), then builds any shard still missing (a cache directory
-that is not shared between hosts), so every process reads the union.
+of k builds shards p, p+k, ... with a pool of `workers` forked processes (0: the CPUs
+this process may run on), waits at `barrier` (all processes), then builds any shard
+still missing (a cache directory that is not shared between hosts), so every process
+reads the union.
 """
 
 from __future__ import annotations
@@ -47,11 +67,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import socket
 import time
@@ -61,17 +83,17 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mars_jax.data import formats
-from mars_jax.data.cache_files import _BLOCK, BAD, MANIFEST, META, FileCache, _crc32, _tmp_name
+from mars_jax.data.cache_files import (_BLOCK, BAD, FORMAT_VERSION, INDEX, MANIFEST, META,
+                                       CacheError, FileCache, _crc32, _tmp_name, check_files,
+                                       read_manifest)
+from mars_jax.data.cache_units import Unit, kind_of, materialize, needs_materializing, plan, records
 from mars_jax.data.examples import first_target, tokenize_chats
-from mars_jax.data.sources import (ARROW_STATE, JSONL_SUFFIXES, PARQUET_SUFFIXES, _chat,
-                                   _format_of, _parse, read_arrow_dataset)
+from mars_jax.data.sources import _chat
 
 _LOG = logging.getLogger(__name__)
-# In the key: bump it when what a build writes changes. 2: Qwen3 thinking turns are
-# targets from <think> through the reply (chat.py).
-FORMAT_VERSION = 2
 SHARD_RECORDS = 5_000
 KEY_FILE = "key.json"
+STAT_DIR = ".stat"
 _SAMPLE_BYTES = 1 << 20
 
 
@@ -81,13 +103,21 @@ def default_dir() -> str:
       os.path.expanduser("~"), ".cache", "mars_jax", "data")
 
 
+def default_workers() -> int:
+  """The CPUs this process may run on (its affinity; a cgroup's quota is not seen)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:   # no affinity on this OS
+    return os.cpu_count() or 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """What, besides the file and the tokenizer, changes a file's cached tokens."""
   fmt: str = "auto"
   train_on: str = "all"
   template_kwargs: str = "{}"     # JSON, sorted keys
-  full_hash: bool = False         # hash every byte of a file, not its first and last MiB
+  full_hash: bool = True          # hash every byte of a file, not its first and last MiB
   shard_records: int = SHARD_RECORDS
 
 
@@ -98,7 +128,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
   if backend is None:
     raise ValueError(f"the data cache needs a fast tokenizer (got {type(tokenizer).__name__});"
                      " set data.cache=False to tokenize in memory instead.")
-  for part in (type(tokenizer).__name__, backend.to_str(), tokenizer.chat_template or "",
+  template = tokenizer.chat_template or ""   # a dict: several named templates
+  for part in (type(tokenizer).__name__, backend.to_str(),
+               template if isinstance(template, str) else json.dumps(template, sort_keys=True),
                json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str),
                json.dumps(sorted(tokenizer.all_special_ids))):
     h.update(part.encode())
@@ -127,154 +159,55 @@ def _content_hash(path: str, size: int, full: bool) -> str:
   return h.hexdigest()
 
 
-def file_identity(path: str, full_hash: bool) -> list[dict]:
-  """Path, size, mtime and content hash of each file of a data path."""
-  out = []
-  for name in _data_files(path):
-    st = os.stat(name)
-    out.append({"path": os.path.abspath(name), "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns,
-                "sha256": _content_hash(name, st.st_size, full_hash)})
-  return out
+def _remembered_hash(name: str, full: bool, stat_dir: str | None) -> str:
+  """The content hash of one file, read from `stat_dir` when the file's path, size,
+  mtime and inode are those it was hashed at, else computed (and kept there)."""
+  st = os.stat(name)
+  seen = {"path": os.path.abspath(name), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+          "inode": st.st_ino, "device": st.st_dev, "full": full}
+  memo = None
+  if stat_dir is not None:
+    memo = os.path.join(stat_dir, hashlib.sha256(
+        json.dumps(seen, sort_keys=True).encode()).hexdigest()[:32] + ".json")
+    with contextlib.suppress(OSError, ValueError):
+      with open(memo) as f:
+        kept = json.load(f)
+      if {k: kept.get(k) for k in seen} == seen:
+        return kept["sha256"]
+  digest = _content_hash(name, st.st_size, full)
+  if memo is not None:
+    with contextlib.suppress(OSError):
+      os.makedirs(stat_dir, exist_ok=True)
+      _write_json(stat_dir, os.path.basename(memo), {**seen, "sha256": digest}, sync=False)
+  return digest
 
 
-def key_of(path: str, tokenizer_id: str, settings: Settings) -> tuple[str, dict]:
+def file_identity(path: str, full_hash: bool, stat_dir: str | None = None) -> list[dict]:
+  """Size and content hash of each file of a data path (a save_to_disk directory's
+  files by name within it): what the key hashes, not where the file is."""
+  names = _data_files(path)
+  return [{**({"file": os.path.basename(n)} if os.path.isdir(path) else {}),
+           "size": os.path.getsize(n), "sha256": _remembered_hash(n, full_hash, stat_dir)}
+          for n in names]
+
+
+def key_of(path: str, tokenizer_id: str, settings: Settings,
+           stat_dir: str | None = None) -> tuple[str, dict]:
   """(the key of one data path's cache, the record of what it hashes)."""
-  record = {"format_version": FORMAT_VERSION, "data": file_identity(path, settings.full_hash),
+  record = {"format_version": FORMAT_VERSION,
+            "data": file_identity(path, settings.full_hash, stat_dir),
             "tokenizer": tokenizer_id, **dataclasses.asdict(settings)}
-  digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:24]
-  stem = os.path.basename(os.path.normpath(path)).replace(".", "_")[:40]
-  return f"{stem}-{digest}", record
-
-
-# ---- planning: a file's kind, format and shards ---------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Unit:
-  """One shard's work: records [begin, end) of a file (lines of JSONL, rows of tables);
-  for JSONL also the bytes [byte_begin, byte_end) those lines occupy."""
-  path: str
-  kind: str              # "jsonl" | "parquet" | "arrow"
-  fmt: str               # the file's record shape, resolved
-  directory: str         # the key's directory
-  index: int
-  begin: int
-  end: int
-  byte_begin: int = 0
-  byte_end: int = 0
-
-  @property
-  def name(self) -> str:
-    return f"shard-{self.index:05d}"
-
-
-def _kind(path: str) -> str:
-  if os.path.isdir(path) and os.path.isfile(os.path.join(path, ARROW_STATE)):
-    return "arrow"
-  if path.endswith(JSONL_SUFFIXES):
-    return "jsonl"
-  if path.endswith(PARQUET_SUFFIXES):
-    return "parquet"
-  raise ValueError(f"{path}: unknown data file type; expected one of "
-                   f"{JSONL_SUFFIXES + PARQUET_SUFFIXES} or a datasets save_to_disk "
-                   "directory.")
-
-
-def _line_starts(path: str) -> np.ndarray:
-  """int64[lines + 1]: where each line of a file starts, then the file's size."""
-  starts, base = [np.zeros(1, np.int64)], 0
-  with open(path, "rb") as f:
-    while block := f.read(_BLOCK):
-      starts.append(np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + base + 1)
-      base += len(block)
-  out = np.concatenate(starts)
-  return out if out[-1] == base else np.append(out, base)
-
-
-def _jsonl_head_format(path: str, fmt: str) -> tuple[str, bool]:
-  """(the file's record shape, whether it has any record), as JsonlSource decides."""
-  head = []
-  with open(path, "rb") as f:
-    for raw in f:
-      if raw.strip():
-        head.append(_parse(raw))
-        if len(head) == formats.DETECT_SAMPLE:
-          break
-  sample = [r for r in head if not isinstance(r, formats.RecordError)]
-  return (_format_of(fmt, sample, path) if sample else "messages"), bool(head)
-
-
-def _read_table(path: str, kind: str, begin: int = 0, end: int | None = None):
-  """Rows [begin, end) of a Parquet file or save_to_disk directory as an Arrow table."""
-  if kind == "arrow":
-    table = read_arrow_dataset(path)
-    return table.slice(begin, (len(table) if end is None else end) - begin)
-  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  pf = pq.ParquetFile(path)
-  end = pf.metadata.num_rows if end is None else end
-  groups, first, row = [], None, 0
-  for g in range(pf.num_row_groups):
-    n = pf.metadata.row_group(g).num_rows
-    if row < end and row + n > begin:
-      groups.append(g)
-      first = row if first is None else first
-    row += n
-  if not groups:
-    return pf.schema_arrow.empty_table()
-  return pf.read_row_groups(groups).slice(begin - first, end - begin)
-
-
-def plan(path: str, directory: str, settings: Settings) -> tuple[list[Unit], bool]:
-  """(the shards of one data path, whether it has any record). Raises
-  formats.UnknownFormatError for a file whose records fit no shape."""
-  kind, size = _kind(path), settings.shard_records
-  if kind == "jsonl":
-    fmt, any_record = _jsonl_head_format(path, settings.fmt)
-    starts = _line_starts(path)
-    lines = len(starts) - 1
-    return [Unit(path, kind, fmt, directory, i, b, min(b + size, lines), int(starts[b]),
-                 int(starts[min(b + size, lines)]))
-            for i, b in enumerate(range(0, lines, size))], any_record
-  table = _read_table(path, kind, 0, None) if kind == "arrow" else None
-  if kind == "parquet":
-    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-    rows = pq.ParquetFile(path).metadata.num_rows
-    sample = _read_table(path, kind, 0, min(rows, formats.DETECT_SAMPLE)).to_pylist()
-  else:
-    rows, sample = len(table), table.slice(0, formats.DETECT_SAMPLE).to_pylist()
-  fmt = _format_of(settings.fmt, sample, path) if rows else "messages"
-  return [Unit(path, kind, fmt, directory, i, b, min(b + size, rows))
-          for i, b in enumerate(range(0, rows, size))], rows > 0
+  digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
+  return digest, record
 
 
 # ---- building one shard ---------------------------------------------------------------
 
 
-def _records(unit: Unit):
-  """(line or row, record or RecordError) of the unit's records, blank lines out."""
-  if unit.kind == "jsonl":
-    with open(unit.path, "rb") as f:
-      f.seek(unit.byte_begin)
-      raw = f.read(unit.byte_end - unit.byte_begin)
-    for line_no, line in enumerate(raw.split(b"\n")[:unit.end - unit.begin],
-                                   start=unit.begin + 1):
-      if line.strip():
-        yield line_no, _parse(line)
-    return
-  table = _read_table(unit.path, unit.kind, unit.begin, unit.end)
-  table = table.select([c for c in formats.COLUMNS[unit.fmt] if c in table.column_names])
-  row = unit.begin
-  for batch in table.to_batches():
-    for record in batch.to_pylist():
-      yield row, record
-      row += 1
-
-
 def build_unit(unit: Unit, tokenizer, settings: Settings) -> dict:
   """Tokenizes one shard and commits it (see the module docstring); returns its meta."""
   bad, chats, counts = [], [], {"records": 0, "valid": 0}
-  for line, record in _records(unit):
+  for line, record in records(unit):
     counts["records"] += 1
     if isinstance(record, formats.RecordError):
       bad.append([record.kind, line, record.reason])
@@ -308,26 +241,60 @@ def build_unit(unit: Unit, tokenizer, settings: Settings) -> dict:
   return _commit_shard(unit, arrays, bad, counts)
 
 
+def _fsync(path: str) -> None:
+  """Syncs a file or directory to its storage."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _rename_or_yield(tmp: str, final: str) -> None:
+  """Renames the temporary directory into place; if another process committed `final`
+  first (it exists, not empty), keeps theirs. Any other error is raised."""
+  try:
+    os.rename(tmp, final)
+  except OSError as e:
+    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+      raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _removed_on_error(path: str):
+  """Removes `path` (a temporary file or directory) if the block raises."""
+  try:
+    yield
+  except BaseException:
+    if os.path.isdir(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      with contextlib.suppress(OSError):
+        os.remove(path)
+    raise
+
+
 def _commit_shard(unit: Unit, arrays: dict, bad: list, counts: dict) -> dict:
   tmp = os.path.join(unit.directory, _tmp_name(unit.name))
-  os.makedirs(tmp)
-  files = {}
-  for name, value in arrays.items():
-    np.save(os.path.join(tmp, f"{name}.npy"), value)
-  with open(os.path.join(tmp, BAD), "w") as f:
-    f.write("".join(json.dumps(b) + "\n" for b in bad))
-  for name in [f"{a}.npy" for a in arrays] + [BAD]:
-    where = os.path.join(tmp, name)
-    files[name] = {"size": os.path.getsize(where), "crc32": _crc32(where)}
-  meta = {"records": counts["records"], "valid": counts["valid"],
-          "examples": len(arrays["lines"]), "tokens": len(arrays["tokens"]),
-          "bad": len(bad), "begin": unit.begin, "end": unit.end, "files": files}
-  with open(os.path.join(tmp, META), "w") as f:
-    json.dump(meta, f)
-  try:
-    os.rename(tmp, os.path.join(unit.directory, unit.name))
-  except OSError:   # another process committed this shard first: keep theirs
-    shutil.rmtree(tmp, ignore_errors=True)
+  with _removed_on_error(tmp):
+    os.makedirs(tmp)
+    files = {}
+    for name, value in arrays.items():
+      np.save(os.path.join(tmp, f"{name}.npy"), value)
+    with open(os.path.join(tmp, BAD), "w") as f:
+      f.write("".join(json.dumps(b) + "\n" for b in bad))
+    for name in [f"{a}.npy" for a in arrays] + [BAD]:
+      where = os.path.join(tmp, name)
+      files[name] = {"size": os.path.getsize(where), "crc32": _crc32(where)}
+      _fsync(where)
+    meta = {"records": counts["records"], "valid": counts["valid"],
+            "examples": len(arrays["lines"]), "tokens": len(arrays["tokens"]),
+            "bad": len(bad), "begin": unit.begin, "end": unit.end, "files": files}
+    _write_json(tmp, META, meta)
+    _fsync(tmp)
+    _rename_or_yield(tmp, os.path.join(unit.directory, unit.name))
+  _fsync(unit.directory)
   return meta
 
 
@@ -359,19 +326,34 @@ def _build_in_worker(unit: Unit) -> dict:
   return build_unit(unit, _WORKER["tokenizer"], _WORKER["settings"])
 
 
+def _built(unit: Unit, tokenizer, settings: Settings) -> dict:
+  """build_unit, an exception noted with the shard and the key it was for."""
+  try:
+    return build_unit(unit, tokenizer, settings)
+  except Exception as e:
+    e.add_note(f"while tokenizing {unit.name} (records {unit.begin}-{unit.end}) of "
+               f"{unit.path} into {unit.directory}")
+    raise
+
+
+def _build_noted(unit: Unit) -> dict:
+  return _built(unit, _WORKER["tokenizer"], _WORKER["settings"])
+
+
 def _is_committed(unit: Unit) -> bool:
   return os.path.isfile(os.path.join(unit.directory, unit.name, META))
 
 
 def _run(units: Sequence[Unit], tokenizer, settings: Settings, workers: int,
          progress: Callable[[int, int], None]) -> None:
-  """Builds `units` with `workers` processes (in this one when 1)."""
+  """Builds `units` with `workers` processes (in this one when 1). The first failure
+  cancels the shards not started, waits for those running, and is raised."""
   if not units:
     return
   if workers <= 1 or len(units) == 1:
     with _one_core():
       for i, unit in enumerate(units):
-        build_unit(unit, tokenizer, settings)
+        _built(unit, tokenizer, settings)
         progress(i + 1, len(units))
     return
   # fork: the workers inherit the tokenizer, and a script without a __main__ guard
@@ -381,60 +363,158 @@ def _run(units: Sequence[Unit], tokenizer, settings: Settings, workers: int,
       min(workers, len(units)), mp_context=ctx, initializer=_init_worker,
       initargs=(tokenizer, settings)) as pool, warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-    for i, future in enumerate(concurrent.futures.as_completed(
-        [pool.submit(_build_in_worker, u) for u in units])):
-      future.result()
-      progress(i + 1, len(units))
+    futures = [pool.submit(_build_noted, u) for u in units]
+    try:
+      for i, future in enumerate(concurrent.futures.as_completed(futures)):
+        future.result()
+        progress(i + 1, len(units))
+    except BaseException:
+      pool.shutdown(wait=True, cancel_futures=True)
+      raise
 
 
-def _clear_stale(directory: str) -> None:
-  """Removes temporary shards this host's dead processes left in `directory`."""
-  host = socket.gethostname()
+_TMP = re.compile(r"^\.tmp\..*\.(\d+)\.[0-9a-f]{8}(\.\w+)?$")
+
+
+def clear_stale(directory: str) -> int:
+  """Removes the temporary files and shards this host's dead processes left in
+  `directory`; returns how many."""
+  host, removed = socket.gethostname(), 0
   for name in os.listdir(directory):
-    parts = name.split(".")
-    if name.startswith(".tmp.") and len(parts) >= 5 and parts[-3] == host:
-      try:
-        os.kill(int(parts[-2]), 0)
-      except ProcessLookupError:
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-      except (PermissionError, ValueError):
-        pass
+    m = _TMP.match(name)
+    if not m or f".{host}.{m.group(1)}." not in name:
+      continue
+    try:
+      os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+      where = os.path.join(directory, name)
+      if os.path.isdir(where):
+        shutil.rmtree(where, ignore_errors=True)
+      else:
+        with contextlib.suppress(OSError):
+          os.remove(where)
+      removed += 1
+    except PermissionError:
+      pass
+  return removed
 
 
-def _write_json(directory: str, name: str, value: Any) -> None:
+def _write_json(directory: str, name: str, value: Any, sync: bool = True) -> None:
+  """Writes `name` in `directory` whole or not at all (a temporary file renamed), synced
+  to storage with `sync`."""
   tmp = os.path.join(directory, _tmp_name(name))
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=1, sort_keys=True)
-  os.replace(tmp, os.path.join(directory, name))
+  with _removed_on_error(tmp):
+    with open(tmp, "w") as f:
+      json.dump(value, f, indent=1, sort_keys=True)
+      if sync:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, name))
+  if sync:
+    _fsync(directory)
+
+
+def _write_file(directory: str, name: str, write: Callable[[str], None]) -> dict:
+  """`write(tmp)` then the rename into place, synced; -> {"size", "crc32"} of the file."""
+  tmp = os.path.join(directory, _tmp_name(name))
+  with _removed_on_error(tmp):
+    write(tmp)
+    _fsync(tmp)
+    done = {"size": os.path.getsize(tmp), "crc32": _crc32(tmp)}
+    os.replace(tmp, os.path.join(directory, name))
+  return done
 
 
 def _commit(directory: str, units: Sequence[Unit], any_record: bool, path: str) -> None:
-  metas = []
-  for unit in units:
-    with open(os.path.join(directory, unit.name, META)) as f:
-      metas.append(json.load(f))
+  """Writes the key's index, bad records and then the manifest (the commit)."""
+  metas, small, bad_lines, base = [], {a: [] for a in _INDEX}, [], 0
+  for s, unit in enumerate(units):
+    shard = os.path.join(directory, unit.name)
+    with open(os.path.join(shard, META)) as f:
+      meta = json.load(f)
+    metas.append(meta)
+    load = lambda a: np.load(os.path.join(shard, f"{a}.npy"))  # noqa: E731
+    offsets = load("offsets")
+    small["lines"].append(load("lines"))
+    small["valid"].append(load("valid") + base)
+    small["first_target"].append(load("first_target"))
+    small["lengths"].append(np.diff(offsets))
+    small["start"].append(offsets[:-1])
+    small["shard"].append(np.full(meta["examples"], s, np.int32))
+    with open(os.path.join(shard, BAD)) as f:
+      bad_lines.append(f.read())
+    base += meta["valid"]
+  index = {a: np.concatenate(v) if v else np.zeros(0, _INDEX[a]) for a, v in small.items()}
+
+  def save_index(tmp: str) -> None:
+    with open(tmp, "wb") as f:
+      np.savez(f, **index)
+
+  def save_bad(tmp: str) -> None:
+    with open(tmp, "w") as f:
+      f.write("".join(bad_lines))
+
+  files = {INDEX: _write_file(directory, INDEX, save_index),
+           BAD: _write_file(directory, BAD, save_bad)}
   _write_json(directory, MANIFEST, {
-      "path": path, "shards": [u.name for u in units], "empty": not any_record,
+      "format_version": FORMAT_VERSION, "path": path, "empty": not any_record,
+      "where": "row" if units and units[0].rows else "line", "files": files,
+      "shards": [{"name": u.name, "files": m["files"], "examples": m["examples"]}
+                 for u, m in zip(units, metas)],
       "records": sum(m["records"] for m in metas), "valid": sum(m["valid"] for m in metas),
       "examples": sum(m["examples"] for m in metas), "tokens": sum(m["tokens"] for m in metas),
       "bad": sum(m["bad"] for m in metas)})
 
 
+_INDEX = {"lines": np.int64, "valid": np.int64, "first_target": np.int32,
+          "lengths": np.int64, "shard": np.int32, "start": np.int64}
+
+
 @dataclasses.dataclass
 class BuildReport:
-  """What `ensure` did: shards built here, shards found built, seconds."""
+  """What `ensure` did: shards built here, shards found built, keys rebuilt because
+  they were damaged, seconds."""
   built: int = 0
   reused: int = 0
+  repaired: int = 0
   seconds: float = 0.0
+
+
+def _writable(directory: str) -> bool:
+  return os.path.isdir(directory) and os.access(directory, os.W_OK)
+
+
+def _complete(directory: str, report: BuildReport, verify: bool) -> bool:
+  """Whether the key in `directory` is committed and whole (sizes; with `verify` every
+  byte's crc32); a damaged one is removed (counted in `report.repaired`) where it can
+  be, else refused with the fix."""
+  try:
+    manifest = read_manifest(directory)
+    if manifest is None:
+      return False
+    check_files(directory, manifest, verify=verify)
+    return True
+  except CacheError as e:
+    if not _writable(os.path.dirname(directory)) or not _writable(directory):
+      raise CacheError(f"{e} (The cache cannot be written here: build it where it can "
+                       "be, or set data.cache_dir to a writable directory.)") from e
+    _LOG.warning("data cache: %s; building it again", e)
+    graveyard = os.path.join(os.path.dirname(directory), _tmp_name("damaged"))
+    os.rename(directory, graveyard)
+    shutil.rmtree(graveyard, ignore_errors=True)
+    report.repaired += 1
+    return False
 
 
 def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: str,
            workers: int = 0, process_index: int = 0, process_count: int = 1,
            barrier: Callable[[], None] = lambda: None,
-           report: BuildReport | None = None) -> list[FileCache]:
+           report: BuildReport | None = None, verify: bool = False) -> list[FileCache]:
   """The opened, checked caches of `paths` (one per path, in order), building what is
-  missing: `workers` processes (0: every core); this process's share of the shards
-  when `process_count` > 1, then `barrier`, then whatever is still missing."""
+  missing: `workers` processes (0: the CPUs this process may run on); this process's
+  share of the shards when `process_count` > 1, then `barrier`, then whatever is still
+  missing. Keys built here are checked byte for byte (crc32), and with `verify` those
+  found built too (a damaged one is rebuilt); the others by their files' sizes."""
   begin = time.perf_counter()
   report = report if report is not None else BuildReport()
   tok_id = tokenizer_fingerprint(tokenizer)
@@ -444,39 +524,58 @@ def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: st
     raise ValueError(f"data.cache_dir={cache_dir}: cannot create it ({e}); set "
                      "data.cache_dir or $MARS_JAX_DATA_CACHE to a writable directory, "
                      "or data.cache=False.") from e
-  todo, keys = [], [key_of(path, tok_id, settings) for path in paths]
-  for path, (key, record) in zip(paths, keys):
-    directory = os.path.join(cache_dir, key)
-    if os.path.isfile(os.path.join(directory, MANIFEST)) or any(
-        directory == d for _, d, _, _ in todo):
-      continue
-    os.makedirs(directory, exist_ok=True)
-    if not os.access(directory, os.W_OK):
-      raise ValueError(f"{directory}: not writable; set data.cache_dir or "
-                       "$MARS_JAX_DATA_CACHE to a writable directory, or data.cache=False.")
-    _clear_stale(directory)
-    _write_json(directory, KEY_FILE, record)
-    todo.append((path, directory, *plan(path, directory, settings)))
-  units = [u for _, _, us, _ in todo for u in us]
-  mine = [u for i, u in enumerate(units) if i % process_count == process_index]
-  missing = [u for u in mine if not _is_committed(u)]
-  workers = workers or os.cpu_count() or 1
-  if missing:
-    _LOG.info("data cache: tokenizing %d shards of %d records with %d workers into %s",
-              len(missing), settings.shard_records, min(workers, len(missing)), cache_dir)
-  _run(missing, tokenizer, settings, workers, _progress(time.perf_counter()))
-  built = len(missing)
-  if process_count > 1:
-    barrier()
-    rest = [u for u in units if not _is_committed(u)]
-    if rest:
-      _LOG.info("data cache: %d shards other processes built are not here (a cache_dir "
-                "not shared between hosts?); building them", len(rest))
-      _run(rest, tokenizer, settings, workers, _progress(time.perf_counter()))
-      built += len(rest)
-  for path, directory, us, any_record in todo:
-    _commit(directory, us, any_record, path)
-  opened = [FileCache(os.path.join(cache_dir, key), path) for path, (key, _) in zip(paths, keys)]
+  stat_dir = os.path.join(cache_dir, STAT_DIR) if _writable(cache_dir) else None
+  keys = [key_of(path, tok_id, settings, stat_dir) for path in paths]
+  todo, sources = [], []
+  try:
+    for path, (key, record) in zip(paths, keys):
+      directory = os.path.join(cache_dir, key)
+      if any(directory == d for _, d, _, _ in todo) or _complete(directory, report, verify):
+        continue
+      try:
+        os.makedirs(directory, exist_ok=True)
+      except OSError as e:
+        raise ValueError(f"{directory}: cannot be created ({e}); set data.cache_dir or "
+                         "$MARS_JAX_DATA_CACHE to a writable directory, or "
+                         "data.cache=False.") from e
+      if not _writable(directory):
+        raise ValueError(f"{directory}: not writable; set data.cache_dir or "
+                         "$MARS_JAX_DATA_CACHE to a writable directory, or data.cache=False.")
+      clear_stale(directory)
+      _write_json(directory, KEY_FILE, {**record, "built_from": os.path.abspath(path)})
+      read_path, rows = None, kind_of(path) != "jsonl"
+      if needs_materializing(path):
+        read_path, rows = materialize(path, directory)
+        sources.append(read_path)
+      todo.append((path, directory, *plan(path, directory, settings.shard_records,
+                                          settings.fmt, read_path, rows)))
+    units = [u for _, _, us, _ in todo for u in us]
+    mine = [u for i, u in enumerate(units) if i % process_count == process_index]
+    missing = [u for u in mine if not _is_committed(u)]
+    workers = workers or default_workers()
+    if missing:
+      _LOG.info("data cache: tokenizing %d shards of %d records with %d workers into %s",
+                len(missing), settings.shard_records, min(workers, len(missing)), cache_dir)
+    _run(missing, tokenizer, settings, workers, _progress(time.perf_counter()))
+    built = len(missing)
+    if process_count > 1:
+      barrier()
+      rest = [u for u in units if not _is_committed(u)]
+      if rest:
+        _LOG.info("data cache: %d shards other processes built are not here (a cache_dir "
+                  "not shared between hosts?); building them", len(rest))
+        _run(rest, tokenizer, settings, workers, _progress(time.perf_counter()))
+        built += len(rest)
+    for path, directory, us, any_record in todo:
+      _commit(directory, us, any_record, path)
+  finally:
+    for source in sources:
+      with contextlib.suppress(OSError):
+        os.remove(source)
+  fresh = {d for _, d, _, _ in todo}
+  opened = [FileCache(os.path.join(cache_dir, key), path,
+                      verify=os.path.join(cache_dir, key) in fresh)
+            for path, (key, _) in zip(paths, keys)]
   report.built += built
   shards = sum(len(f.manifest["shards"]) for f in {f.directory: f for f in opened}.values())
   report.reused += shards - built

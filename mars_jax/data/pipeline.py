@@ -12,8 +12,9 @@
 Config fields (a dict or ml_collections ConfigDict; `default_config()` has them all,
 an unknown key is an error):
   source        "synthetic", or data files: a path, glob, directory or comma-separated
-                list of them (.jsonl/.json lines, .parquet, or a directory written by
-                `datasets`' save_to_disk) of chat records, e.g. {"messages": [{"role":
+                list of them (.jsonl/.json lines or a .json array, either maybe .gz or
+                .zst; .parquet; or a directory written by `datasets`' save_to_disk) of
+                chat records, e.g. {"messages": [{"role":
                 "system"|"user"|"assistant"|"tool", "content": str}]}.
   format        the records' shape: "auto" (detected per file), "messages" (OpenAI),
                 "sharegpt", "alpaca" or "prompt_completion" (mars_jax.data.formats).
@@ -22,6 +23,9 @@ an unknown key is an error):
   chat_template_kwargs
                 keyword arguments of the tokenizer's chat template, a dict or its JSON
                 text, e.g. '{"enable_thinking": false}' for Qwen3.
+  chat_template_name
+                for a tokenizer with several named chat templates, the one to render
+                chats with (e.g. "tool_use"); None: the tokenizer's default.
   eval_source   held-out chat files (same forms); None: for "synthetic" the test split,
                 for files the `num_eval` records held out of `source` (none if 0).
   num_eval      records of a file `source` held out for eval when `eval_source` is
@@ -46,9 +50,13 @@ an unknown key is an error):
                 load. The embedded task ("synthetic") is always generated in memory.
   cache_dir     where the cache lives (None: $MARS_JAX_DATA_CACHE, else
                 ~/.cache/mars_jax/data); shared storage for several hosts.
-  cache_hash    "sample": a file's identity hashes its size, mtime and first and last
-                MiB; "full": every byte.
-  cache_workers processes that tokenize on each host (0: every core).
+  cache_hash    how the cache's key hashes a file's content: "full" (the default)
+                every byte, once per file version (path, size, mtime, inode; kept in
+                the cache's .stat/); "sample" its size and first and last MiB (an edit
+                elsewhere that keeps the size is not seen). Never its path or dates: a
+                copy of the file elsewhere finds the same key.
+  cache_workers processes that tokenize on each host (0: the CPUs this process may
+                run on).
   cache_shard_records
                 records per shard of the cache: the unit of parallel work and of what
                 a killed build loses.
@@ -100,6 +108,7 @@ def default_config() -> ml_collections.ConfigDict:
       "format": "auto",
       "train_on": "all",
       "chat_template_kwargs": "{}",
+      "chat_template_name": placeholder(str),
       "eval_source": placeholder(str),
       "num_eval": 0,
       "max_length": 512,
@@ -110,7 +119,7 @@ def default_config() -> ml_collections.ConfigDict:
       "on_bad": "skip",
       "cache": True,
       "cache_dir": placeholder(str),
-      "cache_hash": "sample",
+      "cache_hash": "full",
       "cache_workers": 0,
       "cache_shard_records": cache.SHARD_RECORDS,
       "synthetic": {"num_train": 20000, "num_test": 500, "seed": 0, "test_fraction": 0.1,
@@ -139,9 +148,9 @@ def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
       ("num_eval", out["num_eval"], is_int(out["num_eval"], 0), "an int >= 0"),
       ("cache", out["cache"], isinstance(out["cache"], bool), "True or False"),
       ("cache_hash", out["cache_hash"], out["cache_hash"] in ("sample", "full"),
-       '"sample" (the first and last MiB of each file) or "full"'),
+       '"full" (every byte of each file) or "sample" (its first and last MiB)'),
       ("cache_workers", out["cache_workers"], is_int(out["cache_workers"], 0),
-       "an int >= 0 (0: every core)"),
+       "an int >= 0 (0: the CPUs this process may run on)"),
       ("cache_shard_records", out["cache_shard_records"],
        is_int(out["cache_shard_records"], 1), "an int >= 1"),
       ("source", out["source"], bool(out["source"]), '"synthetic" or data files'),
@@ -155,7 +164,26 @@ def _resolve(cfg: Mapping[str, Any]) -> dict[str, Any]:
   if out["train_on"] not in TRAIN_ON:
     raise ValueError(f"data.train_on={out['train_on']!r}; expected one of {TRAIN_ON}.")
   out["chat_template_kwargs"] = template_kwargs(out["chat_template_kwargs"])
+  if out["chat_template_name"] is not None:   # the named template, as transformers takes it
+    out["chat_template_kwargs"] = {**out["chat_template_kwargs"],
+                                   "chat_template": out["chat_template_name"]}
   return out
+
+
+def check_template_name(cfg: Mapping[str, Any], tokenizer) -> None:
+  """data.chat_template_name names one of the tokenizer's chat templates."""
+  name = cfg["chat_template_name"]
+  templates = getattr(tokenizer, "chat_template", None)
+  if name is None:
+    if isinstance(templates, dict) and "default" not in templates:
+      raise ValueError(f"the tokenizer has chat templates {sorted(templates)} and none "
+                       "named 'default'; choose one with data.chat_template_name.")
+    return
+  if not isinstance(templates, dict) or name not in templates:
+    have = sorted(templates) if isinstance(templates, dict) else (
+        "one unnamed template" if templates else "no chat template")
+    raise ValueError(f"data.chat_template_name={name!r}: the tokenizer has {have}; name "
+                     "one of its templates, or leave data.chat_template_name unset.")
 
 
 def template_kwargs(value: Any) -> dict[str, Any]:
@@ -352,21 +380,24 @@ def cache_dir(cfg: Mapping[str, Any]) -> str:
 
 
 def prepare_cache(data_cfg: Mapping[str, Any], tokenizer, *, workers: int | None = None,
-                  report: cache.BuildReport | None = None) -> list[cache.FileCache]:
+                  report: cache.BuildReport | None = None,
+                  verify: bool = False) -> list[cache.FileCache]:
   """Builds (or finds) the tokenized cache of every file of `data.source` and
-  `data.eval_source`; returns them opened and checked, the train files first.
+  `data.eval_source`; returns them opened and checked (every byte with `verify`), the
+  train files first.
   With several JAX processes each builds its share and all wait for the rest."""
   cfg = _resolve(data_cfg)
   if cfg["source"] == "synthetic":
     raise ValueError('data.source="synthetic" is generated in memory; the tokenized '
                      "cache is for data files.")
+  check_template_name(cfg, tokenizer)
   paths = expand_paths(cfg["source"]) + (
       expand_paths(cfg["eval_source"]) if cfg["eval_source"] is not None else [])
   index, count = _shard(None, None)
   return cache.ensure(paths, tokenizer, cache_settings(cfg), cache_dir=cache_dir(cfg),
                       workers=cfg["cache_workers"] if workers is None else workers,
                       process_index=index, process_count=count, barrier=_barrier,
-                      report=report)
+                      report=report, verify=verify)
 
 
 def _barrier() -> None:
@@ -415,6 +446,7 @@ def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
   """
   cfg = _resolve(data_cfg)
   stats = DataStats(on_bad=cfg["on_bad"])
+  check_template_name(cfg, tokenizer)
   if cfg["source"] != "synthetic" and cfg["cache"]:
     return _load_cached(cfg, tokenizer, stats)
   if cfg["source"] == "synthetic":

@@ -1,5 +1,5 @@
-"""Chat-record sources: local JSONL, Parquet and Arrow (`datasets` save_to_disk) data,
-and in-memory records.
+"""Chat-record sources: local JSONL (plain, .gz or .zst), JSON arrays, Parquet and Arrow
+(`datasets` save_to_disk) data, and in-memory records.
 
 Each source is a grain `RandomAccessDataSource` (`__len__`, `__getitem__`) of chats
 `{"messages": [{"role", "content"[, "reasoning_content"]}, ...]}`, converted from the
@@ -11,12 +11,16 @@ a source only ever serves valid chats, and `where(i)` names the file and line (o
 of its i-th record for later reports.
 
 JSONL sources keep byte offsets, not parsed records, and re-read a line on access;
-table sources keep the Arrow columns of their shape.
+table sources keep the Arrow columns of their shape; a compressed file or a JSON array
+(a .json file whose text is one list of records, as Alpaca is published) is read into
+memory whole.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
+import io
 import itertools
 import json
 import os
@@ -29,6 +33,8 @@ from mars_jax.data import formats
 from mars_jax.data.validation import DataStats, check_messages
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+COMPRESSED_SUFFIXES = tuple(s + c for s in JSONL_SUFFIXES for c in (".gz", ".zst"))
+JSON_SUFFIXES = JSONL_SUFFIXES + COMPRESSED_SUFFIXES   # lines or an array, maybe compressed
 PARQUET_SUFFIXES = (".parquet",)
 ARROW_STATE = "state.json"            # in a directory `datasets.Dataset.save_to_disk` wrote
 ARROW_DICT = "dataset_dict.json"      # in one `datasets.DatasetDict.save_to_disk` wrote
@@ -62,6 +68,49 @@ def _keep(rows: Iterator[tuple[Any, str, Any]], fmt: str, stats: DataStats) -> l
   return kept
 
 
+def open_bytes(path: str):
+  """A binary reader of a JSON file's text: decompressed for .gz and .zst."""
+  if path.endswith(".gz"):
+    return gzip.open(path, "rb")
+  if path.endswith(".zst"):
+    try:
+      import zstandard  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError(f"{path}: reading .zst needs zstandard (pip install zstandard).") from e
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"),
+                                                                       closefd=True))
+  return open(path, "rb")
+
+
+def json_kind(path: str) -> str:
+  """"array" for a JSON file whose text is one list (its first non-space byte is "["),
+  else "lines" (JSON lines)."""
+  with open_bytes(path) as f:
+    while block := f.read(4096):
+      text = block.lstrip()
+      if text:
+        return "array" if text[:1] == b"[" else "lines"
+  return "lines"
+
+
+def json_records(path: str) -> Iterator[tuple[int, Any]]:
+  """(line from 1, record or RecordError) of a JSON-lines file, blank lines out, or
+  (index from 0, record) of a JSON array; compressed files decompressed."""
+  if json_kind(path) == "array":
+    with open_bytes(path) as f:
+      try:
+        records = json.load(f)
+      except ValueError as e:
+        raise ValueError(f"{path}: not a JSON array of records ({e}); write one record "
+                         "per line (JSONL) or fix the array.") from e
+    yield from enumerate(records)
+    return
+  with open_bytes(path) as f:
+    for line_no, raw in enumerate(f, start=1):
+      if raw.strip():
+        yield line_no, _parse(raw)
+
+
 def _format_of(fmt: str, sample: Sequence[Any], where: str) -> str:
   return formats.detect_format(sample, where) if fmt == "auto" else fmt
 
@@ -70,11 +119,15 @@ class RecordsSource(RandomAccessDataSource):
   """In-memory records (e.g. the synthetic task), converted and checked like file records."""
 
   def __init__(self, records: Sequence[Any], stats: DataStats, *, name: str = "records",
-               fmt: str = "messages"):
+               fmt: str = "messages", places: Sequence[str] | None = None):
     self._name = name
     self._records = records
-    self._fmt = _format_of(fmt, records[:formats.DETECT_SAMPLE], name) if records else fmt
-    self._keep = _keep(((i, f"{name}[{i}]", r) for i, r in enumerate(records)),
+    self._places = places   # where each record is ("file:line"); None: name[i]
+    sample = [r for r in records[:formats.DETECT_SAMPLE]
+              if not isinstance(r, formats.RecordError)]
+    self._fmt = _format_of(fmt, sample, name) if sample else (
+        "messages" if fmt == "auto" else fmt)
+    self._keep = _keep(((i, self._place(i), r) for i, r in enumerate(records)),
                        self._fmt, stats)
     if not records:
       stats.report_bad("empty_file", name, "no records")
@@ -86,7 +139,10 @@ class RecordsSource(RandomAccessDataSource):
     return {"messages": _chat(self._records[self._keep[i]], self._fmt)[0]}
 
   def where(self, i: int) -> str:
-    return f"{self._name}[{self._keep[i]}]"
+    return self._place(self._keep[i])
+
+  def _place(self, i: int) -> str:
+    return f"{self._name}[{i}]" if self._places is None else self._places[i]
 
 
 def _parse(raw: bytes) -> Any:
@@ -233,12 +289,13 @@ def expand_paths(spec: str | Sequence[str]) -> list[str]:
     if os.path.isdir(entry):
       found = _dataset_dir_files(entry) or sorted(
           p for p in glob.glob(os.path.join(entry, "*"))
-          if p.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES))
+          if p.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES))
     else:
       found = sorted(glob.glob(entry))
     if not found:
-      raise FileNotFoundError(f"{entry}: no such file, or no .jsonl/.json/.parquet files "
-                              "or datasets save_to_disk directory match it.")
+      raise FileNotFoundError(f"{entry}: no such file, or no .jsonl/.json (maybe .gz or "
+                              ".zst) or .parquet files or datasets save_to_disk directory "
+                              "match it.")
     files += found
   if not files:
     raise FileNotFoundError(f"no data files in {spec!r}.")
@@ -246,15 +303,24 @@ def expand_paths(spec: str | Sequence[str]) -> list[str]:
 
 
 def open_file(path: str, stats: DataStats, fmt: str = "auto"):
-  """The source for one file or dataset directory: .jsonl/.json lines, .parquet, or a
-  `datasets` save_to_disk directory; `fmt` the record shape (formats.FORMATS)."""
+  """The source for one file or dataset directory: .jsonl/.json lines or a JSON array
+  (either maybe .gz or .zst), .parquet, or a `datasets` save_to_disk directory; `fmt`
+  the record shape (formats.FORMATS)."""
   formats.check_format(fmt)
   if os.path.isdir(path) and _dataset_dir_files(path):
     return TableSource(read_arrow_dataset(path), path, stats, fmt)
+  if path.endswith(JSON_SUFFIXES) and (path.endswith(COMPRESSED_SUFFIXES)
+                                       or json_kind(path) == "array"):
+    array = json_kind(path) == "array"
+    places, records = [], []
+    for where, record in json_records(path):
+      places.append(f"{path}:row {where}" if array else f"{path}:{where}")
+      records.append(record)
+    return RecordsSource(records, stats, name=path, fmt=fmt, places=places)
   if path.endswith(JSONL_SUFFIXES):
     return JsonlSource(path, stats, fmt)
   if path.endswith(PARQUET_SUFFIXES):
     return TableSource(read_parquet(path), path, stats, fmt)
   raise ValueError(f"{path}: unknown data file type; expected one of "
-                   f"{JSONL_SUFFIXES + PARQUET_SUFFIXES} or a datasets save_to_disk "
+                   f"{JSON_SUFFIXES + PARQUET_SUFFIXES} or a datasets save_to_disk "
                    "directory.")

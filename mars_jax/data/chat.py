@@ -229,7 +229,10 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
   rendered = render(tokenizer, probed, kwargs)
   if any(rendered.count(c) > 1 for c in marks):
     return None
-  if rendered.translate(dict.fromkeys(map(ord, marks))) != text:
+  stripped = rendered
+  for c in marks:   # a few marks: replace beats translate's per-character table here
+    stripped = stripped.replace(c, "")
+  if stripped != text:
     return None
   found = sorted((rendered.find(c), c) for c in marks if c in rendered)
   at = {c: i - rank for rank, (i, c) in enumerate(found)}   # index in `text`
@@ -247,7 +250,7 @@ def _spans_in_one_probe(tokenizer, messages: Sequence[dict], turns: list[int], k
 
 
 def _label(offsets: np.ndarray, ids: np.ndarray, spans: list[Span],
-           special_ids: np.ndarray) -> np.ndarray:
+           special_ids: frozenset[int]) -> np.ndarray:
   """loss_mask: bool[n] from token character offsets int[n, 2] and ids int[n]."""
   mask = np.zeros(len(ids), bool)
   starts, ends = offsets[:, 0], offsets[:, 1]
@@ -255,7 +258,7 @@ def _label(offsets: np.ndarray, ids: np.ndarray, spans: list[Span],
     mask |= (starts < end) & (ends > start)
     after = np.searchsorted(starts, end, side="left")
     if (is_content and after < len(ids) and starts[after] == end
-        and np.isin(ids[after], special_ids)):
+        and int(ids[after]) in special_ids):
       mask[after] = True
   return mask
 
@@ -269,7 +272,7 @@ def tokenize_rendered(tokenizer, rendered: Sequence[tuple[str, list[Span]]]
     return []
   enc = tokenizer([text for text, _ in rendered], add_special_tokens=False,
                   return_offsets_mapping=True)
-  special = np.asarray(sorted(tokenizer.all_special_ids), np.int64)
+  special = frozenset(int(i) for i in tokenizer.all_special_ids)
   out = []
   for (_, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
     ids = np.asarray(ids, np.int32)

@@ -572,9 +572,9 @@ def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: st
     for source in sources:
       with contextlib.suppress(OSError):
         os.remove(source)
-  fresh = {d for _, d, _, _ in todo}
+  fresh = {d for _, d, _, _ in todo}   # the others were checked by _complete
   opened = [FileCache(os.path.join(cache_dir, key), path,
-                      verify=os.path.join(cache_dir, key) in fresh)
+                      verify=os.path.join(cache_dir, key) in fresh, check=False)
             for path, (key, _) in zip(paths, keys)]
   report.built += built
   shards = sum(len(f.manifest["shards"]) for f in {f.directory: f for f in opened}.values())

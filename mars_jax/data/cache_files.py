@@ -89,9 +89,9 @@ def read_manifest(directory: str) -> dict | None:
 
 def check_files(directory: str, manifest: dict, verify: bool) -> None:
   """Every file the manifest lists has its size (and with `verify` its crc32)."""
-  listed = [(os.path.join(directory, s["name"], name), want)
+  listed = [(f"{directory}/{s['name']}/{name}", want)   # 7 files a shard: no os.path.join
             for s in manifest["shards"] for name, want in s["files"].items()]
-  listed += [(os.path.join(directory, name), manifest["files"][name]) for name in (INDEX, BAD)]
+  listed += [(f"{directory}/{name}", manifest["files"][name]) for name in (INDEX, BAD)]
   for where, want in listed:
     try:
       size = os.stat(where).st_size
@@ -113,13 +113,16 @@ class FileCache:
   (the places of reports).
   """
 
-  def __init__(self, directory: str, path: str, verify: bool = False):
+  def __init__(self, directory: str, path: str, verify: bool = False, check: bool = True):
+    """`check`: the files' sizes (and with `verify` their bytes); False for a key the
+    caller has just checked."""
     self.directory, self.path = directory, path
     manifest = read_manifest(directory)
     if manifest is None:
       raise CacheError(f"{directory}: no {MANIFEST}; the cache was not finished (run "
                        "python -m mars_jax.data.prepare again to finish it).", damaged=False)
-    check_files(directory, manifest, verify)
+    if check or verify:
+      check_files(directory, manifest, verify)
     self.manifest = manifest
     self.records, self.num_valid = manifest["records"], manifest["valid"]
     self.empty, self._rows = manifest["empty"], manifest["where"] == "row"

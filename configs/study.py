@@ -3,7 +3,8 @@
   python -m mars_jax.study --config configs/study.py --workdir runs/study
 
 The model, tokenizer and data are configs/tiny.py's, and so is the parent's run length;
-each child runs 300 steps (the run docs/results.md reports). `study` sets the seeds, the
+each child runs 300 steps (the run docs/results_300.md reports; the study at the paper's
+proportions is configs/study_stage2.py, docs/results.md). `study` sets the seeds, the
 run lengths, the variants and the evaluation grid (see mars_jax/experiments/study.py). Every
 seed of `study.seeds` trains its own parent and variants (`--config.study.seeds=0,1,2,3,4`
 for five). With the defaults a parent is configs/tiny.py's stage 1 with the seed as
@@ -17,7 +18,7 @@ Several seeds need one parent each (`{seed}` in the path, or comma-separated). T
 MARS variants run the paper's objective (ar_weight 1, or 0 without the AR loss) at
 configs/tiny.py's stage-2 learning rate. `rounding_check` trains the first seed's parent once more on the unrolled
 runtime, for the spread float rounding alone gives. The report goes to
-WORKDIR/results.md; `--config.study.report=docs/results.md` replaces the tracked one.
+WORKDIR/results.md; `--config.study.report=docs/results_300.md` replaces the tracked one.
 """
 
 import importlib.util
@@ -54,6 +55,6 @@ def get_config():
       # The margin gate too: gates=('probability','margin') (twice the evaluation time).
       taus=(1.0, 0.95, 0.9, 0.8, 0.7), gates=("probability",), num_problems=500,
       # None: WORKDIR/results.md; the tracked report is written with
-      # --config.study.report=docs/results.md
+      # --config.study.report=docs/results_300.md
       report=ml_collections.config_dict.placeholder(str)))
   return c

@@ -12,7 +12,8 @@ evaluated on held-out problems at every tau, window and gate of the study config
 report (mars_jax/training/study_report.py: means with 95% intervals over seeds, the
 paper's claims as paired differences with a verdict, a Pareto plot with error bars, the
 wall-clock of every run) goes to `study.report` (default WORKDIR/results.md;
-`--config.study.report=docs/results.md` for the tracked one). Finished runs are reused,
+`--config.study.report=docs/results.md` for the tracked one, with
+configs/study_stage2.py; docs/results_300.md is configs/study.py's). Finished runs are reused,
 so an interrupted study resumes. `study.parent_dir` reuses trained parents: one per
 seed (a path with `{seed}` in it, or comma-separated directories).
 

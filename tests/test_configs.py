@@ -55,6 +55,6 @@ def test_qwen3_configs_mirror_the_qwen2_5_ones(qwen3, qwen2_5, stage):
 
 def test_the_study_report_goes_under_its_workdir_unless_asked():
   """configs/study.py leaves study.report unset: `python -m mars_jax.study` then writes
-  WORKDIR/results.md, and the tracked docs/results.md only with
-  --config.study.report=docs/results.md."""
+  WORKDIR/results.md, and a tracked report (docs/results_300.md) only with
+  --config.study.report."""
   assert load(os.path.join(ROOT, "configs", "study.py")).study.report is None

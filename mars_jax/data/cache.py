@@ -500,8 +500,9 @@ def _complete(directory: str, report: BuildReport, verify: bool) -> bool:
                        "be, or set data.cache_dir to a writable directory.)") from e
     _LOG.warning("data cache: %s; building it again", e)
     graveyard = os.path.join(os.path.dirname(directory), _tmp_name("damaged"))
-    os.rename(directory, graveyard)
-    shutil.rmtree(graveyard, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):   # another process moved it first
+      os.rename(directory, graveyard)
+      shutil.rmtree(graveyard, ignore_errors=True)
     report.repaired += 1
     return False
 

@@ -1,4 +1,4 @@
-"""The study's report (docs/results.md): every figure as a mean over seeds with its 95%
+"""The study's report (docs/results.md, docs/results_300.md): every figure as a mean over seeds with its 95%
 t-interval and the per-seed values, the paper's claims as paired differences per seed
 with a verdict, the float-rounding spread, the Pareto plot with error bars, and the
 wall-clock of every run. The runs themselves are mars_jax/training/study.py's.

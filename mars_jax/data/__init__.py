@@ -1,4 +1,5 @@
-"""Data: local chat files (JSONL, Parquet, `datasets` directories) to training rows:
+"""Data: local chat files (JSONL or JSON arrays, maybe .gz or .zst; Parquet; `datasets`
+directories) to training rows:
 sources, chat formatting, label masking, bad records, the tokenized cache, packing,
 grain pipelines, and the synthetic task. Not a downloader or a data-mixing tool:
 `data.source` names local files (docs/data.md).

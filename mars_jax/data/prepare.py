@@ -48,7 +48,8 @@ from mars_jax.parallel import distributed
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file",
                                           lock_config=True)
 _WORKERS = flags.DEFINE_integer("workers", None, "tokenizing processes per host (default: "
-                                "data.cache_workers; 0: every core)", lower_bound=0)
+                                "data.cache_workers; 0: the CPUs this process may run on)",
+                                lower_bound=0)
 _VERIFY = flags.DEFINE_bool("verify", False, "check every byte (crc32) of a cache found built")
 _LIST = flags.DEFINE_bool("list", False, "list the cache directory's keys and exit")
 _CLEAN = flags.DEFINE_bool("clean", False, "remove the keys no run will read and exit")

@@ -196,3 +196,10 @@ def test_a_study_of_two_arms_judges_each_and_draws_the_loss_curves(cfg, tmp_path
   assert "| mars_b4@paper | 0.0200 | 0.1600 |  |  | 0.0200 (step 1200) |" in text
   assert "| control | 0.0200 | 0.0300 |  | 0.0200 | 0.0200 (step 300) |" in text
   assert (tmp_path / "results_curves.png").stat().st_size > 0
+
+
+def test_a_run_with_fewer_seeds_is_named(cfg, tmp_path):
+  results = {s: {"control": _result([(1, 1.0, 90.0, 1.0)])} for s in range(3)}
+  results[2]["mars_b4"] = _result([(1, 1.0, 91.0, 1.0)])
+  study_report.write_report(cfg, results, str(tmp_path / "r.md"), "cmd")
+  assert "Note: `mars_b4` has seeds 2 only (of 0, 1, 2)" in (tmp_path / "r.md").read_text()

@@ -387,6 +387,10 @@ def write_report(cfg, results: dict[int, dict], path: str, command: str) -> None
       "generated tokens / forwards (AR = 1.00). Figures are means over the seeds with the "
       "half-width of their 95% t-interval (mean ± half-width), then the per-seed values in "
       "seed order.", "",
+      *[f"Note: `{name}` has seeds {', '.join(str(x) for x in seeds if name in results[x])} "
+        f"only (of {', '.join(map(str, seeds))}); its intervals and paired differences are "
+        "over those.\n" for name in names
+        if sum(name in results[x] for x in seeds) < len(seeds)],
       *[f"Note: seed {seed}'s `{name}` trained on, and is evaluated on, synthetic "
         f"{res['synthetic']} (its task.json), not the study's settings.\n"
         for seed, rs in results.items() for name, res in rs.items()

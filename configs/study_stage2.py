@@ -17,8 +17,8 @@ baseline is the stage-1 checkpoint itself), with the verdict margin `study.margi
 (1 point): "no worse" holds when the 95% interval lies above -1. The held-out
 clean-stream loss is logged every 50 steps for the curves.
 
-MARS B = 16 at the paper's schedule: add "mars_b16@paper" to `study.variants`
-(about 15 minutes a seed on one core of the 2-core host).
+MARS B = 16 at the paper's schedule: add "mars_b16@paper" to `study.variants` (not in
+docs/results.md: the session that ran it had no time left for it).
 """
 
 import importlib.util

@@ -484,6 +484,19 @@ def _writable(directory: str) -> bool:
   return os.path.isdir(directory) and os.access(directory, os.W_OK)
 
 
+def _make_dir(directory: str, writable: bool) -> None:
+  """Creates `directory` if missing; with `writable`, it must also be writable (a read-
+  only cache directory is fine for keys that are already built)."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    problem = "not writable" if writable and not _writable(directory) else None
+  except OSError as e:
+    problem = f"cannot be created ({e})"
+  if problem:
+    raise ValueError(f"{directory}: {problem}; set data.cache_dir or $MARS_JAX_DATA_CACHE "
+                     "to a writable directory, or data.cache=False.")
+
+
 def _complete(directory: str, report: BuildReport, verify: bool) -> bool:
   """Whether the key in `directory` is committed and whole (sizes; with `verify` every
   byte's crc32); a damaged one is removed (counted in `report.repaired`) where it can
@@ -519,12 +532,7 @@ def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: st
   begin = time.perf_counter()
   report = report if report is not None else BuildReport()
   tok_id = tokenizer_fingerprint(tokenizer)
-  try:
-    os.makedirs(cache_dir, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"data.cache_dir={cache_dir}: cannot create it ({e}); set "
-                     "data.cache_dir or $MARS_JAX_DATA_CACHE to a writable directory, "
-                     "or data.cache=False.") from e
+  _make_dir(cache_dir, writable=False)
   stat_dir = os.path.join(cache_dir, STAT_DIR) if _writable(cache_dir) else None
   keys = [key_of(path, tok_id, settings, stat_dir) for path in paths]
   todo, sources = [], []
@@ -533,15 +541,7 @@ def ensure(paths: Sequence[str], tokenizer, settings: Settings, *, cache_dir: st
       directory = os.path.join(cache_dir, key)
       if any(directory == d for _, d, _, _ in todo) or _complete(directory, report, verify):
         continue
-      try:
-        os.makedirs(directory, exist_ok=True)
-      except OSError as e:
-        raise ValueError(f"{directory}: cannot be created ({e}); set data.cache_dir or "
-                         "$MARS_JAX_DATA_CACHE to a writable directory, or "
-                         "data.cache=False.") from e
-      if not _writable(directory):
-        raise ValueError(f"{directory}: not writable; set data.cache_dir or "
-                         "$MARS_JAX_DATA_CACHE to a writable directory, or data.cache=False.")
+      _make_dir(directory, writable=True)
       clear_stale(directory)
       _write_json(directory, KEY_FILE, {**record, "built_from": os.path.abspath(path)})
       read_path, rows = None, kind_of(path) != "jsonl"

@@ -446,9 +446,9 @@ def load_data(data_cfg: Mapping[str, Any], tokenizer) -> ChatData:
   """
   cfg = _resolve(data_cfg)
   stats = DataStats(on_bad=cfg["on_bad"])
-  check_template_name(cfg, tokenizer)
   if cfg["source"] != "synthetic" and cfg["cache"]:
-    return _load_cached(cfg, tokenizer, stats)
+    return _load_cached(cfg, tokenizer, stats)   # prepare_cache checks the template name
+  check_template_name(cfg, tokenizer)
   if cfg["source"] == "synthetic":
     syn = cfg["synthetic"]
     kw = {"seed": syn["seed"], "test_fraction": syn["test_fraction"],

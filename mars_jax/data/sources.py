@@ -309,9 +309,8 @@ def open_file(path: str, stats: DataStats, fmt: str = "auto"):
   formats.check_format(fmt)
   if os.path.isdir(path) and _dataset_dir_files(path):
     return TableSource(read_arrow_dataset(path), path, stats, fmt)
-  if path.endswith(JSON_SUFFIXES) and (path.endswith(COMPRESSED_SUFFIXES)
-                                       or json_kind(path) == "array"):
-    array = json_kind(path) == "array"
+  array = path.endswith(JSON_SUFFIXES) and json_kind(path) == "array"
+  if array or path.endswith(COMPRESSED_SUFFIXES):
     places, records = [], []
     for where, record in json_records(path):
       places.append(f"{path}:row {where}" if array else f"{path}:{where}")

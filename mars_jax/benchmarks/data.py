@@ -30,7 +30,9 @@ a warm start of a new process from that cache, then the directory is removed:
          (its one summary line gives the records kept and the tokens)
          warm: what training does at start: configs/tiny.py's config with those
              overrides, `run_tokenizer.data_tokenizer(cfg)`, `load_data(cfg.data, tok)`
-             (which reads the cache), `next(data.train_iterator(batch_size=32, ...))`
+             (which reads the cache), `next(data.train_iterator(batch_size=32, ...))`;
+             a hit when no file in the cache changed but the key's `last_used` stamp
+             and its `derived/` counts (what every reader may write)
   peer   cold: `Dataset.from_json(CHATS, cache_dir=CACHE)` (HF_DATASETS_CACHE=CACHE
              too), then `.map(fn, num_proc=W)`, fn = `tokenizer.apply_chat_template(
              messages, tokenize=False)` then `tokenizer(text, add_special_tokens=False)`
@@ -232,10 +234,15 @@ def tree_bytes(path: str) -> int:
 
 
 def tree_state(path: str) -> dict[str, tuple[int, int]]:
-  """{file: (size, mtime_ns)} of every file under path."""
+  """{file: (size, mtime_ns)} of every file under path but a reader's bookkeeping (a key's
+  `last_used` stamp and its `derived/` counts), so that equal states mean nothing was built."""
+  from mars_jax.data.cache_files import DERIVED, LAST_USED  # pylint: disable=import-outside-toplevel
   out = {}
-  for root, _, files in os.walk(path):
+  for root, dirs, files in os.walk(path):
+    dirs[:] = [d for d in dirs if d != DERIVED]
     for name in files:
+      if name == LAST_USED:
+        continue
       full = os.path.join(root, name)
       try:
         st = os.stat(full)

@@ -106,8 +106,9 @@ def test_bench_speculative_on_two_checkpoints(tmp_path, capsys):
 def test_bench_data_small(tmp_path, capsys):
   """`bench data` on 300 chats, ours with one build process (the peer, datasets' .map,
   adds ~30 s: `--skip-peer`): every chat kept, as many tokens as the model's tokenizer
-  gives the chats rendered by its template (what the peer counts), and the warm start
-  read the cache without writing to it."""
+  gives the chats rendered by its template (what the peer counts), the warm start
+  read the cache without building anything and held one shard's two maps after 101
+  batches; then `--stages` times each step of a build on the same chats."""
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   from mars_jax.benchmarks import data as data_bench  # pylint: disable=import-outside-toplevel
   out = tmp_path / "data.json"
@@ -127,3 +128,12 @@ def test_bench_data_small(tmp_path, capsys):
   assert warm["batch_shape"] == [32, 2048] and warm["batch_targets"] > 0
   assert row["cold_s"] > 0 and row["cold_peak_rss_mb"] > 0 and row["warm_first_batch_s"] > 0
   assert "| 300 | ours | 1 |" in capsys.readouterr().out
+  assert warm["cache_maps_first_batch"] == warm["cache_maps_more_batches"] == 2
+  assert warm["fds_more_batches"] < 64
+  data_bench.main(["--stages", "100", "--chats", "300", "--work-dir", str(tmp_path),
+                   "--out", str(out)])
+  stages = json.loads(out.read_text())
+  assert stages["chats"] == 100 and stages["tokens"] == sum(map(len, tok(
+      texts[:100], add_special_tokens=False)["input_ids"]))
+  assert all(s > 0 for s in stages["steps_s"].values()) and len(stages["steps_s"]) == 8
+  assert "| tokenize and label (ours) |" in capsys.readouterr().out

@@ -5,11 +5,13 @@ stay bounded, and the formats users have (JSON arrays, .jsonl.gz, .jsonl.zst, Pa
 by row group, named chat templates) give the in-memory pipeline's examples. The real
 Qwen2.5 tokenizer throughout."""
 
+import concurrent.futures
 import errno
 import gc
 import gzip
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -178,6 +180,12 @@ def test_shards_are_mapped_lazily_and_few_at_a_time(tok, tmp_path, monkeypatch):
   for i in range(len(data.train)):
     data.train[i]
     assert file.open_files() <= 3
+  # eight threads reading at random share the LRU, and a pickled copy starts unmapped
+  order = np.random.default_rng(0).permutation(np.repeat(np.arange(len(data.train)), 4))
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    got = list(pool.map(lambda i: data.train[int(i)]["tokens"], order))
+  assert all(np.array_equal(g, data.train[int(i)]["tokens"]) for g, i in zip(got, order))
+  assert file.open_files() <= 3 and pickle.loads(pickle.dumps(file)).open_files() == 0
 
 
 @pytest.mark.e2e   # builds 10,000 shards (two minutes)

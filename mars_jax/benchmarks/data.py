@@ -4,7 +4,13 @@ one run.
 
   python -m mars_jax.bench data [--chats 100000[,1000000]] [--workers-list 1,2]
       [--work-dir runs/bench_data] [--seed 0] [--model HF_DIR] [--skip-peer]
-      [--peer-batched] [--out bench_data.json]
+      [--peer-batched] [--drop-page-cache] [--out bench_data.json]
+  python -m mars_jax.bench data --stages 5000 [--chats 100000] [--out stages.json]
+
+`--drop-page-cache` empties the kernel's page cache (root, Linux) before each warm
+start, so that it reads the cache from the disk as a start on another host would.
+`--stages K` times each step of a build on one core over the first K chats instead
+(see `child_stages`), the peer's per-chat work beside it.
 
 Needs the test requirements (requirements-test.txt: dashscope ships the Qwen BPE ranks,
 torch writes the checkpoint): the model is tests/qwen_tokenizers.py's
@@ -91,6 +97,8 @@ from mars_jax.benchmarks.chat_corpus import chats_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH = 32            # the first batch's rows
+MORE_BATCHES = 100    # our warm start's batches after the first, before handles are counted
+DROP_CACHES = "/proc/sys/vm/drop_caches"
 POLL_S = 0.2
 RESULT = "BENCH_DATA_RESULT "   # a child's last stdout line: this prefix, then JSON
 
@@ -201,6 +209,31 @@ def run_measured(command: list[str], env: dict, log: str) -> dict:
           "stdout": stdout, "stderr": stderr, "log": log}
 
 
+def drop_page_cache() -> None:
+  """Writes dirty pages out and drops the kernel's page cache (needs root), so that the
+  next process reads the cache, the chats and its own imports from the disk."""
+  os.sync()
+  try:
+    with open(DROP_CACHES, "w") as f:
+      f.write("3\n")
+  except OSError as e:
+    raise SystemExit(f"--drop-page-cache: cannot write {DROP_CACHES} ({e}); run as root on "
+                     "Linux, or leave the flag off") from e
+
+
+def handles(cache: str) -> dict:
+  """This process's open file descriptors and the files under `cache` it has mapped
+  (from /proc/self; None where there is no /proc)."""
+  try:
+    fds = len(os.listdir("/proc/self/fd"))
+    with open("/proc/self/maps") as f:
+      paths = {parts[5] for parts in (line.split(None, 5) for line in f) if len(parts) == 6}
+  except OSError:
+    return {"fds": None, "cache_maps": None}
+  root = os.path.realpath(cache) + os.sep
+  return {"fds": fds, "cache_maps": sum(p.strip().startswith(root) for p in paths)}
+
+
 def _check(run: dict, what: str) -> None:
   if run["returncode"] != 0:
     raise RuntimeError(f"{what} exited with {run['returncode']}: {' '.join(run['command'])}"
@@ -272,8 +305,9 @@ def _child_command(mode: str, model: str, chats: str, cache: str, workers: int,
           *(["--peer-batched"] if batched else [])]
 
 
-def ours(model: str, chats: str, cache: str, workers: int, log: str) -> dict:
-  """Our cold build (the prepare CLI) into `cache`, then a warm start from it."""
+def ours(model: str, chats: str, cache: str, workers: int, log: str, drop: bool) -> dict:
+  """Our cold build (the prepare CLI) into `cache`, then a warm start from it (after
+  dropping the page cache when `drop`)."""
   cold = run_measured(prepare_command(model, chats, cache, workers), _env(), f"{log}-cold")
   _check(cold, "mars_jax.data.prepare")
   text = cold["stdout"] + "\n" + cold["stderr"]
@@ -282,6 +316,8 @@ def ours(model: str, chats: str, cache: str, workers: int, log: str) -> dict:
               kept=_count(text, "kept"), bad=_count(text, "bad"),
               shards_built=_count(text, "shards built"), cache_bytes=tree_bytes(cache))
   state = tree_state(cache)
+  if drop:
+    drop_page_cache()
   warm = run_measured(_child_command("ours-warm", model, chats, cache, workers), _env(),
                       f"{log}-warm")
   _check(warm, "our warm start")
@@ -334,22 +370,113 @@ def child_ours_warm(a) -> dict:
   batch = next(it)
   first_s = time.time() - start
   rss1 = _rss()
-  return {"import_s": import_s, "tokenizer_s": tokenizer_s, "first_batch_s": first_s,
+  first = handles(a.cache)
+  for _ in range(MORE_BATCHES):   # spread over the shards: the maps stay bounded
+    next(it)
+  more = handles(a.cache)
+  return {"fds_first_batch": first["fds"], "cache_maps_first_batch": first["cache_maps"],
+          "fds_more_batches": more["fds"], "cache_maps_more_batches": more["cache_maps"],
+          "import_s": import_s, "tokenizer_s": tokenizer_s, "first_batch_s": first_s,
           "data_rss_mb": (rss1 - rss0) / 2**20, "rss_mb": rss1 / 2**20,
           "max_rss_mb": _max_rss_mb(), "examples": len(data.train),
           "batch_shape": list(batch["tokens"].shape),
           "batch_targets": int(np.asarray(batch["loss_mask"]).sum())}
 
 
+def _timed(fn):
+  begin = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - begin
+
+
+def child_stages(a) -> dict:
+  """Where a build's time goes, on one core as in a build worker: the fixed costs of a
+  `prepare` process; a whole shard of the first a.stages chats of the file built as a
+  build worker builds it; then each step of that work on the same chats, and the peer's
+  work per chat (one render, one tokenize) beside it. The BPE's word cache is emptied
+  before each step that tokenizes, so none gains from an earlier one."""
+  start = _started()
+  os.environ["TOKENIZERS_PARALLELISM"] = "false"
+  # pylint: disable=import-outside-toplevel
+  from mars_jax.data import cache, cache_units, chat, formats, prepare  # noqa: F401
+  from mars_jax.data.run_tokenizer import data_tokenizer
+  from mars_jax.data.validation import check_messages
+  fixed = {"imports_s": time.time() - start}
+  cfg = _tiny_config(a.model, a.chats_file, a.cache)
+  tok, fixed["tokenizer_s"] = _timed(lambda: data_tokenizer(cfg))
+  fixed["fingerprint_s"] = _timed(lambda: cache.tokenizer_fingerprint(tok))[1]
+  fixed["content_hash_s"] = _timed(lambda: cache.file_identity(a.chats_file, True))[1]
+  fixed["file_mb"] = os.path.getsize(a.chats_file) / 2**20
+  model = tok.backend_tokenizer.model
+  cold = getattr(model, "_clear_cache", lambda: None)   # tokenizers >= 0.21
+  steps = {}
+  with tempfile.TemporaryDirectory(dir=a.cache) as tmp:
+    unit = cache_units.plan(a.chats_file, tmp, a.stages, "messages")[0][0]
+    settings = cache.Settings(fmt="messages", shard_records=a.stages)
+    cold()
+    steps["one shard, whole (ours: read, check, render, tokenize, label, write)"] = _timed(
+        lambda: cache.build_unit(unit, tok, settings))[1]
+  with open(a.chats_file, "rb") as f:
+    lines = [line for line, _ in zip(f, range(a.stages))]
+
+  def parse():
+    out = []
+    for line in lines:
+      messages = formats.to_messages(json.loads(line), "messages")
+      assert check_messages(messages) is None
+      out.append(messages)
+    return out
+
+  chats = parse()
+  steps["parse and check"] = _timed(parse)[1]
+  steps["render (one)"] = _timed(lambda: [chat.render(tok, m, {}) for m in chats])[1]
+  rendered, steps["render and find spans (ours: two renders)"] = _timed(
+      lambda: [chat.target_spans(tok, m) for m in chats])
+  texts = [text for text, _ in rendered]
+
+  def timed_cold(fn):
+    cold()
+    return _timed(fn)
+
+  steps["BPE alone (the backend's encode_batch)"] = timed_cold(
+      lambda: tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))[1]
+  steps["tokenize with offsets (tokenizer call)"] = timed_cold(
+      lambda: tok(texts, add_special_tokens=False, return_offsets_mapping=True))[1]
+  examples, steps["tokenize and label (ours)"] = timed_cold(
+      lambda: chat.tokenize_rendered(tok, rendered))
+  steps["peer: render and tokenize each"] = timed_cold(lambda: [
+      tok(tok.apply_chat_template(m, tokenize=False), add_special_tokens=False)
+      for m in chats])[1]
+  return {"fixed": fixed, "chats": len(chats), "steps_s": steps,
+          "tokens": int(sum(len(e["tokens"]) for e in examples))}
+
+
+def print_stages(result: dict) -> None:
+  n, fixed = result["chats"], result["fixed"]
+  print(f"one core, the first {n:,} chats ({result['tokens'] / n:.0f} tokens a chat)")
+  print("| step | s | ms a chat |")
+  print("|---|---|---|")
+  for name, secs in result["steps_s"].items():
+    print(f"| {name} | {secs:.2f} | {1000 * secs / n:.3f} |")
+  print(f"fixed, once a process: imports {fixed['imports_s']:.2f} s, tokenizer "
+        f"{fixed['tokenizer_s']:.2f} s, its fingerprint {fixed['fingerprint_s']:.2f} s; "
+        f"once a file: its content hash {fixed['content_hash_s']:.2f} s "
+        f"({fixed['file_mb']:.0f} MB)", flush=True)
+
+
 # ---- the peer: datasets .map ---------------------------------------------------------
 
 
-def peer(model: str, chats: str, cache: str, workers: int, batched: bool, log: str) -> dict:
-  """The peer's cold build into `cache`, then its warm start in a new process."""
+def peer(model: str, chats: str, cache: str, workers: int, batched: bool, log: str,
+         drop: bool) -> dict:
+  """The peer's cold build into `cache`, then its warm start in a new process (after
+  dropping the page cache when `drop`)."""
   env = _env(HF_DATASETS_CACHE=cache)
   out = {}
   for phase in ("cold", "warm"):
     state = tree_state(cache)
+    if drop and phase == "warm":
+      drop_page_cache()
     run = run_measured(_child_command(f"peer-{phase}", model, chats, cache, workers, batched),
                        env, f"{log}-{phase}")
     _check(run, f"the peer's {phase} run")
@@ -392,6 +519,7 @@ def child_peer(a, phase: str) -> dict:
   batch = mapped[:BATCH]
   first_s = time.time() - start
   rss1 = _rss()
+  first = handles(a.cache)
   files = [os.path.abspath(f["filename"]) for f in mapped.cache_files]
   lengths = pc.list_value_length(mapped.data.column("input_ids"))
   return {"import_s": import_s, "tokenizer_s": tokenizer_s, "from_json_s": json_s - tokenizer_s,
@@ -402,7 +530,8 @@ def child_peer(a, phase: str) -> dict:
           "json_cache_hit": bool(ds.cache_files) and all(
               os.path.abspath(f["filename"]) in existing for f in ds.cache_files),
           "cache_hit": bool(files) and all(f in existing for f in files),
-          "map_cache_files": len(files), "batch_rows": len(batch["input_ids"])}
+          "map_cache_files": len(files), "batch_rows": len(batch["input_ids"]),
+          "fds_first_batch": first["fds"], "cache_maps_first_batch": first["cache_maps"]}
 
 
 # ---- report --------------------------------------------------------------------------
@@ -425,6 +554,10 @@ def _row(n: int, system: str, workers: int, result: dict) -> dict:
       "warm_import_s": warm["import_s"], "warm_first_batch_s": warm["first_batch_s"],
       "warm_wall_s": warm["wall_s"], "warm_peak_rss_mb": warm["peak_rss_mb"],
       "warm_data_rss_mb": warm["data_rss_mb"],
+      "warm_data_s": warm["first_batch_s"] - warm["tokenizer_s"],
+      "warm_fds": warm.get("fds_first_batch"), "warm_cache_maps": warm.get("cache_maps_first_batch"),
+      "warm_fds_more": warm.get("fds_more_batches"),
+      "warm_cache_maps_more": warm.get("cache_maps_more_batches"),
       "warm_cache_hit": warm.get("cache_hit", warm.get("cache_unchanged")),
       "warm_cache_unchanged": warm.get("cache_unchanged")}
 
@@ -441,11 +574,19 @@ def _fmt(v, digits: int = 1) -> str:
 
 HEAD = ("N", "system", "W", "cold s", "chats/s", "tok/s", "tok/s/proc", "CPU s",
         "peak RSS MB", "peak PSS MB", "cache MB", "warm import s", "warm 1st batch s",
-        "warm peak RSS MB", "data RSS MB", "warm hit")
-SECONDS = {"cold_s", "cold_cpu_s", "warm_import_s", "warm_first_batch_s"}
+        "warm data s", "warm peak RSS MB", "data RSS MB", "fds / cache maps",
+        f"after {MORE_BATCHES} more", "warm hit")
+SECONDS = {"cold_s", "cold_cpu_s", "warm_import_s", "warm_first_batch_s", "warm_data_s"}
 KEYS = ("cold_s", "chats_per_s", "tokens_per_s", "tokens_per_s_per_process", "cold_cpu_s",
         "cold_peak_rss_mb", "cold_peak_pss_mb", "cache_mb", "warm_import_s",
-        "warm_first_batch_s", "warm_peak_rss_mb", "warm_data_rss_mb", "warm_cache_hit")
+        "warm_first_batch_s", "warm_data_s", "warm_peak_rss_mb", "warm_data_rss_mb",
+        "handles", "handles_more", "warm_cache_hit")
+
+
+def _handles_cell(row: dict, key: str) -> str:
+  more = "_more" if key.endswith("_more") else ""
+  fds, maps = row.get(f"warm_fds{more}"), row.get(f"warm_cache_maps{more}")
+  return "-" if fds is None else f"{fds} / {maps}"
 
 
 def comparisons(rows: list[dict]) -> dict:
@@ -468,8 +609,11 @@ def comparisons(rows: list[dict]) -> dict:
 
 def print_table(result: dict) -> None:
   print(f"\nmodel {result['model_dir']}; cold: a fresh cache, process start to exit; warm: "
-        "a new process on that cache, seconds from its start; RSS/PSS: the process tree's "
-        "sum, peak")
+        "a new process on that cache, seconds from its start"
+        + (", the page cache dropped before it" if result.get("drop_page_cache") else "")
+        + "; warm data s: from the tokenizer loaded to the first batch; fds / cache maps: "
+        "the warm process's open descriptors and mapped cache files at its first batch "
+        f"(ours: and after {MORE_BATCHES} more); RSS/PSS: the process tree's sum, peak")
   for n, facts in result["chats"].items():
     tokens = next((r["tokens"] for r in result["rows"] if r["chats"] == int(n) and r["tokens"]),
                   None)
@@ -479,7 +623,8 @@ def print_table(result: dict) -> None:
   print("|" + "---|" * len(HEAD))
   for r in result["rows"]:
     cells = [_fmt(r["chats"]), r["system"], str(r["workers"])]
-    cells += [_fmt(r[k], 2 if k in SECONDS else 1) for k in KEYS]
+    cells += [_handles_cell(r, k) if k.startswith("handles") else
+              _fmt(r[k], 2 if k in SECONDS else 1) for k in KEYS]
     print("| " + " | ".join(cells) + " |")
   for key, value in result["comparisons"]["speedup_over_w1"].items():
     print(f"cold speedup over W=1, {key}: {value:.2f}x")
@@ -526,6 +671,7 @@ def run(args) -> dict:
   result = {"model_dir": model, "work_dir": work, "seed": args.seed,
             "workers_list": _ints(args.workers_list), "peer_batched": args.peer_batched,
             "skip_peer": args.skip_peer, "max_length": MAX_LENGTH,
+            "drop_page_cache": args.drop_page_cache,
             "versions": _versions(), "cpu_count": os.cpu_count(),
             "load_average_start": os.getloadavg(),
             "env": {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM",
@@ -543,9 +689,10 @@ def run(args) -> dict:
         log = os.path.join(work, f"{system}-{n}-w{w}")
         try:
           if system == "ours":
-            measured = ours(model, path, cache, w, log)
+            measured = ours(model, path, cache, w, log, args.drop_page_cache)
           else:
-            measured = peer(model, path, cache, w, args.peer_batched, log)
+            measured = peer(model, path, cache, w, args.peer_batched, log,
+                            args.drop_page_cache)
         finally:
           shutil.rmtree(cache, ignore_errors=True)
         row = _row(n, SYSTEMS[system], w, measured)
@@ -558,6 +705,19 @@ def run(args) -> dict:
   result["comparisons"] = comparisons(result["rows"])
   result["load_average_end"] = os.getloadavg()
   return result
+
+
+def stages(args) -> dict:
+  """`child_stages` in a new process on the first --chats file (written if missing)."""
+  work = os.path.abspath(args.work_dir)
+  os.makedirs(work, exist_ok=True)
+  model = os.path.abspath(args.model) if args.model else default_model(work)
+  path, _ = chats_file(work, _ints(args.chats)[0], args.seed)
+  command = _child_command("stages", model, path, work, 1) + ["--stages", str(args.stages)]
+  run_ = run_measured(command, _env(), os.path.join(work, "stages"))
+  _check(run_, "the stages child")
+  return {"model_dir": model, "chats_file": path, "versions": _versions(),
+          **child_result(run_)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -574,8 +734,14 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--peer-batched", action="store_true",
                  help="the peer's .map with batched=True (TRL's is one record per call)")
   p.add_argument("--out", default="bench_data.json", help="JSON of everything")
+  p.add_argument("--stages", type=int, default=0,
+                 help="instead of the runs: where a build's time goes, step by step on "
+                      "one core, over the first STAGES chats of the first --chats file")
+  p.add_argument("--drop-page-cache", action="store_true",
+                 help=f"drop the kernel's page cache before each warm start (writes "
+                      f"{DROP_CACHES}: root on Linux)")
   # the bench's own child processes
-  p.add_argument("--child", choices=["ours-warm", "peer-cold", "peer-warm"],
+  p.add_argument("--child", choices=["ours-warm", "peer-cold", "peer-warm", "stages"],
                  help=argparse.SUPPRESS)
   p.add_argument("--chats-file", help=argparse.SUPPRESS)
   p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -586,12 +752,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
   args = parser().parse_args(argv)
   if args.child:
-    out = (child_ours_warm(args) if args.child == "ours-warm"
-           else child_peer(args, args.child.split("-")[1]))
-    print(RESULT + json.dumps(out), flush=True)
+    children = {"ours-warm": child_ours_warm, "stages": child_stages,
+                "peer-cold": lambda a: child_peer(a, "cold"),
+                "peer-warm": lambda a: child_peer(a, "warm")}
+    print(RESULT + json.dumps(children[args.child](args)), flush=True)
     return
-  result = run(args)
-  print_table(result)
+  if args.stages:
+    result = stages(args)
+    print_stages(result)
+  else:
+    result = run(args)
+    print_table(result)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {args.out}")

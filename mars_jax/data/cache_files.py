@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 import zlib
@@ -134,6 +135,7 @@ class FileCache:
         "first_target"]
     self.lengths, self._shard, self._start = arrays["lengths"], arrays["shard"], arrays["start"]
     self._maps: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()   # readers on several threads share the LRU
     with contextlib.suppress(OSError):   # a read-only cache keeps no date of use
       with open(os.path.join(directory, LAST_USED), "w") as f:
         f.write(f"{time.time():.0f}\n")
@@ -143,16 +145,18 @@ class FileCache:
 
   def _mapped(self, s: int) -> tuple[np.ndarray, np.ndarray]:
     """Shard s's (tokens, loss_mask) maps; the least recently used past MAX_OPEN_SHARDS
-    are dropped."""
-    if s in self._maps:
-      self._maps.move_to_end(s)
-      return self._maps[s]
-    name = self.manifest["shards"][s]["name"]
-    self._maps[s] = tuple(np.load(os.path.join(self.directory, name, f"{a}.npy"),
-                                  mmap_mode="r") for a in ("tokens", "loss_mask"))
-    while len(self._maps) > MAX_OPEN_SHARDS:   # examples are copies, so nothing else holds
-      self._maps.popitem(last=False)          # the maps: their descriptors close now
-    return self._maps[s]
+    are dropped (a reader still copying from one keeps it until it is done)."""
+    with self._lock:
+      if s in self._maps:
+        self._maps.move_to_end(s)
+        return self._maps[s]
+      name = self.manifest["shards"][s]["name"]
+      maps = self._maps[s] = tuple(
+          np.load(os.path.join(self.directory, name, f"{a}.npy"), mmap_mode="r")
+          for a in ("tokens", "loss_mask"))
+      while len(self._maps) > MAX_OPEN_SHARDS:   # examples are copies, so nothing else
+        self._maps.popitem(last=False)          # holds the maps: their descriptors close
+      return maps
 
   def example(self, e: int) -> tuple[np.ndarray, np.ndarray]:
     tokens, mask = self._mapped(int(self._shard[e]))
@@ -198,4 +202,7 @@ class FileCache:
     return out
 
   def __getstate__(self) -> dict:
-    return {**self.__dict__, "_maps": collections.OrderedDict()}
+    return {k: v for k, v in self.__dict__.items() if k not in ("_maps", "_lock")}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state, _maps=collections.OrderedDict(), _lock=threading.Lock())

@@ -374,6 +374,33 @@ def test_one_probe_for_all_turns_equals_probing_each_piece(qwen25, qwen3, monkey
     assert got == target_spans(tok, chats[i]), (f, i)
 
 
+def test_labels_from_the_encoding_equal_labels_from_every_offset(qwen25, qwen3, monkeypatch):
+  """The mask found from each span's first and last token (`_label_by_tokens`, the fast
+  path) equals the one from every token's character offsets (`_label`), on replies that
+  split characters into several byte tokens (emoji, CJK, combining accents), straddle
+  their header's newline, or hold only whitespace; and the fallback gives it too."""
+  from mars_jax.data import chat as chat_lib
+  replies = ["\U0001F600\U0001F680 ok", "数学很难。答案是 5！", "e\u0301te\u0301 \u00e9t\u00e9",
+             "\nstarts on a newline", "  \t ", "ends on a newline\n", "<|im_end|>literal",
+             "\u200b\u200dzero width", "a" * 300]
+  chats = [_chat(("system", "S\u00e9."), ("user", r), ("assistant", r), ("user", "x"),
+                 ("assistant", r[::-1] or "y")) for r in replies]
+  for tok in (qwen25, qwen3):
+    rendered = [target_spans(tok, c) for c in chats]
+    fast = chat_lib.tokenize_rendered(tok, rendered)
+    special = frozenset(tok.all_special_ids)
+    for (text, spans), ex in zip(rendered, fast):
+      enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+      offsets = np.asarray(enc["offset_mapping"]).reshape(-1, 2)
+      ids = np.asarray(enc["input_ids"])
+      assert np.array_equal(ex["tokens"], ids)
+      assert np.array_equal(ex["loss_mask"], chat_lib._label(offsets, ids, spans, special))
+    monkeypatch.setattr(chat_lib, "_label_by_tokens", lambda *a: None)
+    slow = chat_lib.tokenize_rendered(tok, rendered)
+    monkeypatch.undo()
+    assert all(np.array_equal(a["loss_mask"], b["loss_mask"]) for a, b in zip(fast, slow))
+
+
 def test_chat_template_kwargs_from_the_config_as_json(tmp_path):
   """`--config.data.chat_template_kwargs='{...}'` reaches the template; bad JSON names
   the field and the fix."""

@@ -84,23 +84,22 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from importlib import metadata
 
 import numpy as np
 
 from mars_jax.benchmarks.chat_corpus import chats_file
+from mars_jax.benchmarks.data_report import (MORE_BATCHES, SYSTEMS, comparisons, fmt,
+                                             print_stages, print_table, row_of)
+from mars_jax.benchmarks.measured import (DROP_CACHES, RESULT, ROOT, check_exit, child_env,
+                                          child_result, drop_page_cache, handles,
+                                          max_rss_mb, rss_bytes, run_measured, started_at,
+                                          tree_bytes)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH = 32            # the first batch's rows
-MORE_BATCHES = 100    # our warm start's batches after the first, before handles are counted
-DROP_CACHES = "/proc/sys/vm/drop_caches"
-POLL_S = 0.2
-RESULT = "BENCH_DATA_RESULT "   # a child's last stdout line: this prefix, then JSON
 
 # ---- model ---------------------------------------------------------------------------
 
@@ -121,155 +120,17 @@ def default_model(work_dir: str) -> str:
   return out
 
 
-# ---- measured subprocesses -----------------------------------------------------------
-
-
-def _env(**extra: str) -> dict:
-  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-  env = {"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
-         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **extra}
-  return env
-
-
-class TreeMonitor:
-  """Polls a process and its descendants every POLL_S seconds in a thread: the peaks of
-  their summed RSS and summed PSS (None where PSS cannot be read)."""
-
-  def __init__(self, pid: int):
-    import psutil  # pylint: disable=import-outside-toplevel
-    self._psutil = psutil
-    try:
-      self._root = psutil.Process(pid)
-    except psutil.Error:  # already gone
-      self._root = None
-    self.peak_rss, self.peak_pss, self.samples, self.most_procs = 0, 0, 0, 0
-    self._pss_ok, self._stop = True, threading.Event()
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-
-  def _sample(self) -> None:
-    psutil = self._psutil
-    try:
-      procs = [self._root, *self._root.children(recursive=True)]
-    except (psutil.Error, AttributeError):
-      return
-    rss = pss = 0
-    alive = 0
-    for p in procs:
-      try:
-        if self._pss_ok:
-          try:
-            info = p.memory_full_info()
-            rss, pss = rss + info.rss, pss + info.pss
-          except (psutil.AccessDenied, AttributeError):
-            self._pss_ok = False
-            rss += p.memory_info().rss
-        else:
-          rss += p.memory_info().rss
-        alive += 1
-      except psutil.Error:
-        continue
-    self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-    self.most_procs = max(self.most_procs, alive)
-    self.samples += 1
-
-  def _run(self) -> None:
-    while not self._stop.is_set():
-      self._sample()
-      self._stop.wait(POLL_S)
-
-  def stop(self) -> dict:
-    self._stop.set()
-    self._thread.join()
-    return {"peak_rss_mb": self.peak_rss / 2**20,
-            "peak_pss_mb": self.peak_pss / 2**20 if self._pss_ok else None,
-            "most_processes": self.most_procs, "memory_samples": self.samples}
-
-
-def run_measured(command: list[str], env: dict, log: str) -> dict:
-  """Runs `command` (stdout to LOG.out, stderr to LOG.err), polling its process tree ->
-  {"wall_s", "cpu_s" (user + sys of it and every descendant it reaped), peaks of
-  `TreeMonitor`, "returncode", "stdout", "stderr" (their text)}."""
-  import resource  # pylint: disable=import-outside-toplevel
-  before = resource.getrusage(resource.RUSAGE_CHILDREN)
-  with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
-    begin = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
-    monitor = TreeMonitor(proc.pid)
-    code = proc.wait()
-    wall = time.perf_counter() - begin
-  facts = monitor.stop()
-  after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-  with open(f"{log}.out", errors="replace") as f:
-    stdout = f.read()
-  with open(f"{log}.err", errors="replace") as f:
-    stderr = f.read()
-  return {"command": command, "returncode": code, "wall_s": wall, "cpu_s": cpu, **facts,
-          "stdout": stdout, "stderr": stderr, "log": log}
-
-
-def drop_page_cache() -> None:
-  """Writes dirty pages out and drops the kernel's page cache (needs root), so that the
-  next process reads the cache, the chats and its own imports from the disk."""
-  os.sync()
-  try:
-    with open(DROP_CACHES, "w") as f:
-      f.write("3\n")
-  except OSError as e:
-    raise SystemExit(f"--drop-page-cache: cannot write {DROP_CACHES} ({e}); run as root on "
-                     "Linux, or leave the flag off") from e
-
-
-def handles(cache: str) -> dict:
-  """This process's open file descriptors and the files under `cache` it has mapped
-  (from /proc/self; None where there is no /proc)."""
-  try:
-    fds = len(os.listdir("/proc/self/fd"))
-    with open("/proc/self/maps") as f:
-      paths = {parts[5] for parts in (line.split(None, 5) for line in f) if len(parts) == 6}
-  except OSError:
-    return {"fds": None, "cache_maps": None}
-  root = os.path.realpath(cache) + os.sep
-  return {"fds": fds, "cache_maps": sum(p.strip().startswith(root) for p in paths)}
-
-
-def _check(run: dict, what: str) -> None:
-  if run["returncode"] != 0:
-    raise RuntimeError(f"{what} exited with {run['returncode']}: {' '.join(run['command'])}"
-                       f"\n{(run['stdout'] + run['stderr'])[-3000:]}")
-
-
-def child_result(run: dict) -> dict:
-  """The JSON a child printed on its RESULT line."""
-  for line in reversed(run["stdout"].splitlines()):
-    if line.startswith(RESULT):
-      return json.loads(line[len(RESULT):])
-  raise RuntimeError(f"no result line from {' '.join(run['command'])}:\n"
-                     f"{(run['stdout'] + run['stderr'])[-3000:]}")
-
-
 def _count(text: str, word: str) -> int | None:
   """The last "<number> word" in text (commas allowed in the number), else None."""
   found = re.findall(rf"(\d[\d,]*)\s+{word}\b", text)
   return int(found[-1].replace(",", "")) if found else None
 
 
-def tree_bytes(path: str) -> int:
-  total = 0
-  for root, _, files in os.walk(path):
-    for name in files:
-      try:
-        total += os.path.getsize(os.path.join(root, name))
-      except OSError:
-        pass
-  return total
-
-
 def tree_state(path: str) -> dict[str, tuple[int, int]]:
   """{file: (size, mtime_ns)} of every file under path but a reader's bookkeeping (a key's
   `last_used` stamp and its `derived/` counts), so that equal states mean nothing was built."""
-  from mars_jax.data.cache_files import DERIVED, LAST_USED  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel  (not at the top: the peer's children
+  from mars_jax.data.cache_files import DERIVED, LAST_USED  # would import JAX with it)
   out = {}
   for root, dirs, files in os.walk(path):
     dirs[:] = [d for d in dirs if d != DERIVED]
@@ -308,8 +169,8 @@ def _child_command(mode: str, model: str, chats: str, cache: str, workers: int,
 def ours(model: str, chats: str, cache: str, workers: int, log: str, drop: bool) -> dict:
   """Our cold build (the prepare CLI) into `cache`, then a warm start from it (after
   dropping the page cache when `drop`)."""
-  cold = run_measured(prepare_command(model, chats, cache, workers), _env(), f"{log}-cold")
-  _check(cold, "mars_jax.data.prepare")
+  cold = run_measured(prepare_command(model, chats, cache, workers), child_env(), f"{log}-cold")
+  check_exit(cold, "mars_jax.data.prepare")
   text = cold["stdout"] + "\n" + cold["stderr"]
   lines = [ln for ln in text.splitlines() if re.search(r"\d\s+tokens\b", ln)]
   cold.update(summary=lines[-1] if lines else None, tokens=_count(text, "tokens"),
@@ -318,9 +179,9 @@ def ours(model: str, chats: str, cache: str, workers: int, log: str, drop: bool)
   state = tree_state(cache)
   if drop:
     drop_page_cache()
-  warm = run_measured(_child_command("ours-warm", model, chats, cache, workers), _env(),
+  warm = run_measured(_child_command("ours-warm", model, chats, cache, workers), child_env(),
                       f"{log}-warm")
-  _check(warm, "our warm start")
+  check_exit(warm, "our warm start")
   warm.update(child_result(warm), cache_unchanged=tree_state(cache) == state)
   return {"cold": cold, "warm": warm}
 
@@ -337,24 +198,9 @@ def _tiny_config(model: str, chats: str, cache: str):
   return cfg
 
 
-def _started() -> float:
-  import psutil  # pylint: disable=import-outside-toplevel
-  return psutil.Process().create_time()
-
-
-def _rss() -> int:
-  import psutil  # pylint: disable=import-outside-toplevel
-  return psutil.Process().memory_info().rss
-
-
-def _max_rss_mb() -> float:
-  import resource  # pylint: disable=import-outside-toplevel
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def child_ours_warm(a) -> dict:
   """What training does at start, up to its first batch (see the module doc)."""
-  start = _started()
+  start = started_at()
   # pylint: disable=import-outside-toplevel,unused-import
   from transformers import AutoTokenizer  # noqa: F401  (as the peer's: transformers imports
   from mars_jax.experiments import stages  # noqa: F401  its tokenizer modules lazily, at
@@ -364,12 +210,12 @@ def child_ours_warm(a) -> dict:
   cfg = _tiny_config(a.model, a.chats_file, a.cache)
   tok = data_tokenizer(cfg)
   tokenizer_s = time.time() - start
-  rss0 = _rss()
+  rss0 = rss_bytes()
   data = load_data(cfg.data, tok)
   it = data.train_iterator(batch_size=BATCH, shard_index=0, shard_count=1)
   batch = next(it)
   first_s = time.time() - start
-  rss1 = _rss()
+  rss1 = rss_bytes()
   first = handles(a.cache)
   for _ in range(MORE_BATCHES):   # spread over the shards: the maps stay bounded
     next(it)
@@ -378,7 +224,7 @@ def child_ours_warm(a) -> dict:
           "fds_more_batches": more["fds"], "cache_maps_more_batches": more["cache_maps"],
           "import_s": import_s, "tokenizer_s": tokenizer_s, "first_batch_s": first_s,
           "data_rss_mb": (rss1 - rss0) / 2**20, "rss_mb": rss1 / 2**20,
-          "max_rss_mb": _max_rss_mb(), "examples": len(data.train),
+          "max_rss_mb": max_rss_mb(), "examples": len(data.train),
           "batch_shape": list(batch["tokens"].shape),
           "batch_targets": int(np.asarray(batch["loss_mask"]).sum())}
 
@@ -395,7 +241,7 @@ def child_stages(a) -> dict:
   build worker builds it; then each step of that work on the same chats, and the peer's
   work per chat (one render, one tokenize) beside it. The BPE's word cache is emptied
   before each step that tokenizes, so none gains from an earlier one."""
-  start = _started()
+  start = started_at()
   os.environ["TOKENIZERS_PARALLELISM"] = "false"
   # pylint: disable=import-outside-toplevel
   from mars_jax.data import cache, cache_units, chat, formats, prepare  # noqa: F401
@@ -451,19 +297,6 @@ def child_stages(a) -> dict:
           "tokens": int(sum(len(e["tokens"]) for e in examples))}
 
 
-def print_stages(result: dict) -> None:
-  n, fixed = result["chats"], result["fixed"]
-  print(f"one core, the first {n:,} chats ({result['tokens'] / n:.0f} tokens a chat)")
-  print("| step | s | ms a chat |")
-  print("|---|---|---|")
-  for name, secs in result["steps_s"].items():
-    print(f"| {name} | {secs:.2f} | {1000 * secs / n:.3f} |")
-  print(f"fixed, once a process: imports {fixed['imports_s']:.2f} s, tokenizer "
-        f"{fixed['tokenizer_s']:.2f} s, its fingerprint {fixed['fingerprint_s']:.2f} s; "
-        f"once a file: its content hash {fixed['content_hash_s']:.2f} s "
-        f"({fixed['file_mb']:.0f} MB)", flush=True)
-
-
 # ---- the peer: datasets .map ---------------------------------------------------------
 
 
@@ -471,7 +304,7 @@ def peer(model: str, chats: str, cache: str, workers: int, batched: bool, log: s
          drop: bool) -> dict:
   """The peer's cold build into `cache`, then its warm start in a new process (after
   dropping the page cache when `drop`)."""
-  env = _env(HF_DATASETS_CACHE=cache)
+  env = child_env(HF_DATASETS_CACHE=cache)
   out = {}
   for phase in ("cold", "warm"):
     state = tree_state(cache)
@@ -479,7 +312,7 @@ def peer(model: str, chats: str, cache: str, workers: int, batched: bool, log: s
       drop_page_cache()
     run = run_measured(_child_command(f"peer-{phase}", model, chats, cache, workers, batched),
                        env, f"{log}-{phase}")
-    _check(run, f"the peer's {phase} run")
+    check_exit(run, f"the peer's {phase} run")
     run.update(child_result(run))
     if phase == "cold":
       run["cache_bytes"] = tree_bytes(cache)
@@ -491,7 +324,7 @@ def peer(model: str, chats: str, cache: str, workers: int, batched: bool, log: s
 
 def child_peer(a, phase: str) -> dict:
   """Dataset.from_json, then .map(render and tokenize, num_proc=W), then ds[:32]."""
-  start = _started()
+  start = started_at()
   # pylint: disable=import-outside-toplevel
   import datasets
   import pyarrow.compute as pc
@@ -500,7 +333,7 @@ def child_peer(a, phase: str) -> dict:
   datasets.disable_progress_bars()
   tok = AutoTokenizer.from_pretrained(a.model)
   tokenizer_s = time.time() - start
-  rss0 = _rss()
+  rss0 = rss_bytes()
   existing = {os.path.join(a.cache, f) for f in tree_state(a.cache)}
 
   if a.peer_batched:
@@ -518,125 +351,20 @@ def child_peer(a, phase: str) -> dict:
   map_s = time.time() - start
   batch = mapped[:BATCH]
   first_s = time.time() - start
-  rss1 = _rss()
+  rss1 = rss_bytes()
   first = handles(a.cache)
   files = [os.path.abspath(f["filename"]) for f in mapped.cache_files]
   lengths = pc.list_value_length(mapped.data.column("input_ids"))
   return {"import_s": import_s, "tokenizer_s": tokenizer_s, "from_json_s": json_s - tokenizer_s,
           "map_s": map_s - json_s, "first_batch_s": first_s,
           "data_rss_mb": (rss1 - rss0) / 2**20, "rss_mb": rss1 / 2**20,
-          "max_rss_mb": _max_rss_mb(), "kept": len(mapped), "bad": 0,
+          "max_rss_mb": max_rss_mb(), "kept": len(mapped), "bad": 0,
           "tokens": int(pc.sum(lengths).as_py() or 0),
           "json_cache_hit": bool(ds.cache_files) and all(
               os.path.abspath(f["filename"]) in existing for f in ds.cache_files),
           "cache_hit": bool(files) and all(f in existing for f in files),
           "map_cache_files": len(files), "batch_rows": len(batch["input_ids"]),
           "fds_first_batch": first["fds"], "cache_maps_first_batch": first["cache_maps"]}
-
-
-# ---- report --------------------------------------------------------------------------
-
-SYSTEMS = {"ours": "ours", "peer": "datasets.map"}
-
-
-def _row(n: int, system: str, workers: int, result: dict) -> dict:
-  cold, warm = result["cold"], result["warm"]
-  tokens = cold.get("tokens")
-  wall = cold["wall_s"]
-  return {
-      "chats": n, "system": system, "workers": workers,
-      "cold_s": wall, "kept": cold.get("kept"), "bad": cold.get("bad"), "tokens": tokens,
-      "shards_built": cold.get("shards_built"),
-      "chats_per_s": n / wall, "tokens_per_s": tokens / wall if tokens else None,
-      "tokens_per_s_per_process": tokens / wall / workers if tokens else None,
-      "cold_cpu_s": cold["cpu_s"], "cold_peak_rss_mb": cold["peak_rss_mb"],
-      "cold_peak_pss_mb": cold["peak_pss_mb"], "cache_mb": cold["cache_bytes"] / 2**20,
-      "warm_import_s": warm["import_s"], "warm_first_batch_s": warm["first_batch_s"],
-      "warm_wall_s": warm["wall_s"], "warm_peak_rss_mb": warm["peak_rss_mb"],
-      "warm_data_rss_mb": warm["data_rss_mb"],
-      "warm_data_s": warm["first_batch_s"] - warm["tokenizer_s"],
-      "warm_fds": warm.get("fds_first_batch"), "warm_cache_maps": warm.get("cache_maps_first_batch"),
-      "warm_fds_more": warm.get("fds_more_batches"),
-      "warm_cache_maps_more": warm.get("cache_maps_more_batches"),
-      "warm_cache_hit": warm.get("cache_hit", warm.get("cache_unchanged")),
-      "warm_cache_unchanged": warm.get("cache_unchanged")}
-
-
-def _fmt(v, digits: int = 1) -> str:
-  if v is None:
-    return "-"
-  if isinstance(v, bool):
-    return "yes" if v else "NO"
-  if isinstance(v, int):
-    return f"{v:,}"
-  return f"{v:,.{digits}f}" if abs(v) < 100 else f"{v:,.0f}"
-
-
-HEAD = ("N", "system", "W", "cold s", "chats/s", "tok/s", "tok/s/proc", "CPU s",
-        "peak RSS MB", "peak PSS MB", "cache MB", "warm import s", "warm 1st batch s",
-        "warm data s", "warm peak RSS MB", "data RSS MB", "fds / cache maps",
-        f"after {MORE_BATCHES} more", "warm hit")
-SECONDS = {"cold_s", "cold_cpu_s", "warm_import_s", "warm_first_batch_s", "warm_data_s"}
-KEYS = ("cold_s", "chats_per_s", "tokens_per_s", "tokens_per_s_per_process", "cold_cpu_s",
-        "cold_peak_rss_mb", "cold_peak_pss_mb", "cache_mb", "warm_import_s",
-        "warm_first_batch_s", "warm_data_s", "warm_peak_rss_mb", "warm_data_rss_mb",
-        "handles", "handles_more", "warm_cache_hit")
-
-
-def _handles_cell(row: dict, key: str) -> str:
-  more = "_more" if key.endswith("_more") else ""
-  fds, maps = row.get(f"warm_fds{more}"), row.get(f"warm_cache_maps{more}")
-  return "-" if fds is None else f"{fds} / {maps}"
-
-
-def comparisons(rows: list[dict]) -> dict:
-  """Cold speedups over W=1 per (N, system), and the peer's seconds over ours per (N, W)."""
-  by = {(r["chats"], r["system"], r["workers"]): r for r in rows}
-  speedup, peer_over_ours = {}, {}
-  for (n, system, w), r in by.items():
-    one = by.get((n, system, 1))
-    if one and w != 1:
-      shards = f" ({r['shards_built']} shards built)" if r.get("shards_built") else ""
-      speedup[f"{system} N={n} W={w}{shards}"] = one["cold_s"] / r["cold_s"]
-    if system == "ours" and (n, "datasets.map", w) in by:
-      p = by[(n, "datasets.map", w)]
-      peer_over_ours[f"N={n} W={w}"] = {
-          "cold_s": p["cold_s"] / r["cold_s"],
-          "warm_first_batch_s": p["warm_first_batch_s"] / r["warm_first_batch_s"],
-          "tokens_equal": p["tokens"] == r["tokens"]}
-  return {"speedup_over_w1": speedup, "peer_over_ours": peer_over_ours}
-
-
-def print_table(result: dict) -> None:
-  print(f"\nmodel {result['model_dir']}; cold: a fresh cache, process start to exit; warm: "
-        "a new process on that cache, seconds from its start"
-        + (", the page cache dropped before it" if result.get("drop_page_cache") else "")
-        + "; warm data s: from the tokenizer loaded to the first batch; fds / cache maps: "
-        "the warm process's open descriptors and mapped cache files at its first batch "
-        f"(ours: and after {MORE_BATCHES} more); RSS/PSS: the process tree's sum, peak")
-  for n, facts in result["chats"].items():
-    tokens = next((r["tokens"] for r in result["rows"] if r["chats"] == int(n) and r["tokens"]),
-                  None)
-    mean = f"{tokens / int(n):.0f} tokens a chat" if tokens else "tokens not counted"
-    print(f"N={n}: {facts['path']} ({facts['bytes'] / 2**20:.0f} MB, {mean})")
-  print("| " + " | ".join(HEAD) + " |")
-  print("|" + "---|" * len(HEAD))
-  for r in result["rows"]:
-    cells = [_fmt(r["chats"]), r["system"], str(r["workers"])]
-    cells += [_handles_cell(r, k) if k.startswith("handles") else
-              _fmt(r[k], 2 if k in SECONDS else 1) for k in KEYS]
-    print("| " + " | ".join(cells) + " |")
-  for key, value in result["comparisons"]["speedup_over_w1"].items():
-    print(f"cold speedup over W=1, {key}: {value:.2f}x")
-  for key, value in result["comparisons"]["peer_over_ours"].items():
-    print(f"datasets.map / ours, {key}: cold s {value['cold_s']:.2f}x, warm s to the first "
-          f"batch {value['warm_first_batch_s']:.2f}x; tokens equal: "
-          f"{_fmt(value['tokens_equal'])}")
-  print(f"load average (1 min) {result['load_average_start'][0]:.1f} at the start, "
-        f"{result['load_average_end'][0]:.1f} at the end, on {result['cpu_count']} CPUs")
-  print("ours also finds the assistant spans and writes loss masks; the peer's plain "
-        "tokenize has no targets (TRL masks assistants only for templates with "
-        "{% generation %} tags, which Qwen2.5's lacks).", flush=True)
 
 
 # ---- the run -------------------------------------------------------------------------
@@ -695,12 +423,12 @@ def run(args) -> dict:
                             args.drop_page_cache)
         finally:
           shutil.rmtree(cache, ignore_errors=True)
-        row = _row(n, SYSTEMS[system], w, measured)
+        row = row_of(n, SYSTEMS[system], w, measured)
         result["rows"].append(row)
         result["runs"].append({"chats": n, "system": SYSTEMS[system], "workers": w,
                                **{k: _slim(v) for k, v in measured.items()}})
         print(f"{SYSTEMS[system]} N={n} W={w}: cold {row['cold_s']:.1f} s "
-              f"({_fmt(row['tokens'])} tokens, peak RSS {row['cold_peak_rss_mb']:.0f} MB), "
+              f"({fmt(row['tokens'])} tokens, peak RSS {row['cold_peak_rss_mb']:.0f} MB), "
               f"warm first batch {row['warm_first_batch_s']:.1f} s", flush=True)
   result["comparisons"] = comparisons(result["rows"])
   result["load_average_end"] = os.getloadavg()
@@ -714,8 +442,8 @@ def stages(args) -> dict:
   model = os.path.abspath(args.model) if args.model else default_model(work)
   path, _ = chats_file(work, _ints(args.chats)[0], args.seed)
   command = _child_command("stages", model, path, work, 1) + ["--stages", str(args.stages)]
-  run_ = run_measured(command, _env(), os.path.join(work, "stages"))
-  _check(run_, "the stages child")
+  run_ = run_measured(command, child_env(), os.path.join(work, "stages"))
+  check_exit(run_, "the stages child")
   return {"model_dir": model, "chats_file": path, "versions": _versions(),
           **child_result(run_)}
 

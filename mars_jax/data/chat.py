@@ -263,6 +263,33 @@ def _label(offsets: np.ndarray, ids: np.ndarray, spans: list[Span],
   return mask
 
 
+def _label_by_tokens(encoding, ids: Sequence[int], spans: list[Span],
+                     special_ids: frozenset[int]) -> np.ndarray | None:
+  """`_label`'s mask from a fast tokenizer's Encoding, without every token's offsets:
+  a span's tokens run from the first token holding its first character through the
+  last token that starts before its end (offsets never decrease); None where a
+  character or token has no place (a normalizer that drops characters): use `_label`."""
+  n = len(ids)
+  mask = np.zeros(n, bool)
+  for start, end, is_content in spans:
+    first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+    if first is None or last is None:
+      return None
+    while last + 1 < n:
+      chars = encoding.token_to_chars(last + 1)
+      if chars is None:
+        return None
+      if chars[0] >= end:
+        break
+      last += 1
+    mask[first:last + 1] = True
+    after = last + 1
+    if (is_content and after < n and ids[after] in special_ids
+        and encoding.token_to_chars(after)[0] == end):
+      mask[after] = True
+  return mask
+
+
 def tokenize_rendered(tokenizer, rendered: Sequence[tuple[str, list[Span]]]
                       ) -> list[dict[str, np.ndarray]]:
   """Tokenizes (text, spans) pairs (`target_spans` output) in one call.
@@ -270,14 +297,19 @@ def tokenize_rendered(tokenizer, rendered: Sequence[tuple[str, list[Span]]]
   Returns one {"tokens": int32[n], "loss_mask": bool[n]} per text, n its length."""
   if not rendered:
     return []
-  enc = tokenizer([text for text, _ in rendered], add_special_tokens=False,
-                  return_offsets_mapping=True)
+  texts = [text for text, _ in rendered]
+  enc = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)
   special = frozenset(int(i) for i in tokenizer.all_special_ids)
+  encodings = enc.encodings or [None] * len(texts)   # None: not a fast tokenizer
   out = []
-  for (_, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
-    ids = np.asarray(ids, np.int32)
-    offsets = np.asarray(offsets, np.int64).reshape(-1, 2)
-    out.append({"tokens": ids, "loss_mask": _label(offsets, ids, spans, special)})
+  for (text, spans), ids, encoding in zip(rendered, enc["input_ids"], encodings):
+    mask = _label_by_tokens(encoding, ids, spans, special) if encoding else None
+    if mask is None:
+      offsets = tokenizer(text, add_special_tokens=False,
+                          return_offsets_mapping=True)["offset_mapping"]
+      mask = _label(np.asarray(offsets, np.int64).reshape(-1, 2), np.asarray(ids), spans,
+                    special)
+    out.append({"tokens": np.asarray(ids, np.int32), "loss_mask": mask})
   return out
 
 

@@ -114,7 +114,8 @@ def print_table(result: dict) -> None:
 
 def print_stages(result: dict) -> None:
   n, fixed = result["chats"], result["fixed"]
-  print(f"one core, the first {n:,} chats ({result['tokens'] / n:.0f} tokens a chat)")
+  print(f"one core, the first {n:,} chats ({result['tokens'] / n:.0f} tokens a chat), "
+        "each step the best of three")
   print("| step | s | ms a chat |")
   print("|---|---|---|")
   for name, secs in result["steps_s"].items():

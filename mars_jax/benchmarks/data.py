@@ -126,16 +126,14 @@ def _count(text: str, word: str) -> int | None:
   return int(found[-1].replace(",", "")) if found else None
 
 
-def tree_state(path: str) -> dict[str, tuple[int, int]]:
-  """{file: (size, mtime_ns)} of every file under path but a reader's bookkeeping (a key's
-  `last_used` stamp and its `derived/` counts), so that equal states mean nothing was built."""
-  # pylint: disable-next=import-outside-toplevel  (not at the top: the peer's children
-  from mars_jax.data.cache_files import DERIVED, LAST_USED  # would import JAX with it)
+def tree_state(path: str, ignore: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
+  """{file: (size, mtime_ns)} of every file under path, but files and directories named
+  in `ignore` (and what those directories hold)."""
   out = {}
   for root, dirs, files in os.walk(path):
-    dirs[:] = [d for d in dirs if d != DERIVED]
+    dirs[:] = [d for d in dirs if d not in ignore]
     for name in files:
-      if name == LAST_USED:
+      if name in ignore:
         continue
       full = os.path.join(root, name)
       try:
@@ -144,6 +142,14 @@ def tree_state(path: str) -> dict[str, tuple[int, int]]:
         continue
       out[os.path.relpath(full, path)] = (st.st_size, st.st_mtime_ns)
   return out
+
+
+def _reader_bookkeeping() -> frozenset[str]:
+  """What every reader of our cache may write into a key (its `last_used` stamp and
+  its `derived/` counts): a warm start that writes only these built nothing. (Imported
+  here, in the bench's own process, not in the peer's children: it brings JAX.)"""
+  from mars_jax.data import cache_files  # pylint: disable=import-outside-toplevel
+  return frozenset({cache_files.DERIVED, cache_files.LAST_USED})
 
 
 # ---- ours ----------------------------------------------------------------------------
@@ -176,13 +182,14 @@ def ours(model: str, chats: str, cache: str, workers: int, log: str, drop: bool)
   cold.update(summary=lines[-1] if lines else None, tokens=_count(text, "tokens"),
               kept=_count(text, "kept"), bad=_count(text, "bad"),
               shards_built=_count(text, "shards built"), cache_bytes=tree_bytes(cache))
-  state = tree_state(cache)
+  bookkeeping = _reader_bookkeeping()
+  state = tree_state(cache, bookkeeping)
   if drop:
     drop_page_cache()
   warm = run_measured(_child_command("ours-warm", model, chats, cache, workers), child_env(),
                       f"{log}-warm")
   check_exit(warm, "our warm start")
-  warm.update(child_result(warm), cache_unchanged=tree_state(cache) == state)
+  warm.update(child_result(warm), cache_unchanged=tree_state(cache, bookkeeping) == state)
   return {"cold": cold, "warm": warm}
 
 

@@ -275,6 +275,7 @@ def _label_by_tokens(encoding, ids: Sequence[int], spans: list[Span],
     first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
     if first is None or last is None:
       return None
+    chars = None   # the characters of the token after the span, once found
     while last + 1 < n:
       chars = encoding.token_to_chars(last + 1)
       if chars is None:
@@ -284,8 +285,7 @@ def _label_by_tokens(encoding, ids: Sequence[int], spans: list[Span],
       last += 1
     mask[first:last + 1] = True
     after = last + 1
-    if (is_content and after < n and ids[after] in special_ids
-        and encoding.token_to_chars(after)[0] == end):
+    if is_content and after < n and chars[0] == end and ids[after] in special_ids:
       mask[after] = True
   return mask
 

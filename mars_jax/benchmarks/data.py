@@ -94,10 +94,10 @@ import numpy as np
 from mars_jax.benchmarks.chat_corpus import chats_file
 from mars_jax.benchmarks.data_report import (MORE_BATCHES, SYSTEMS, comparisons, fmt,
                                              print_stages, print_table, row_of)
-from mars_jax.benchmarks.measured import (DROP_CACHES, RESULT, ROOT, check_exit, child_env,
-                                          child_result, drop_page_cache, handles,
-                                          max_rss_mb, rss_bytes, run_measured, started_at,
-                                          tree_bytes)
+from mars_jax.benchmarks.measured import (DROP_CACHES, RESULT, ROOT, check_can_drop_page_cache,
+                                          check_exit, child_env, child_result,
+                                          drop_page_cache, handles, max_rss_mb, rss_bytes,
+                                          run_measured, started_at, tree_bytes)
 
 BATCH = 32            # the first batch's rows
 
@@ -402,6 +402,8 @@ def _slim(run: dict) -> dict:
 
 
 def run(args) -> dict:
+  if args.drop_page_cache:
+    check_can_drop_page_cache()
   work = os.path.abspath(args.work_dir)
   os.makedirs(work, exist_ok=True)
   model = os.path.abspath(args.model) if args.model else default_model(work)

@@ -105,16 +105,19 @@ def run_measured(command: list[str], env: dict, log: str) -> dict:
           "stdout": stdout, "stderr": stderr, "log": log}
 
 
+def check_can_drop_page_cache() -> None:
+  """SystemExit, before anything is built, where this process may not drop the cache."""
+  if not os.access(DROP_CACHES, os.W_OK):
+    raise SystemExit(f"--drop-page-cache: cannot write {DROP_CACHES}; run as root on "
+                     "Linux, or leave the flag off")
+
+
 def drop_page_cache() -> None:
   """Writes dirty pages out and drops the kernel's page cache (needs root), so that the
   next process reads the cache, the chats and its own imports from the disk."""
   os.sync()
-  try:
-    with open(DROP_CACHES, "w") as f:
-      f.write("3\n")
-  except OSError as e:
-    raise SystemExit(f"--drop-page-cache: cannot write {DROP_CACHES} ({e}); run as root on "
-                     "Linux, or leave the flag off") from e
+  with open(DROP_CACHES, "w") as f:
+    f.write("3\n")
 
 
 def handles(cache: str) -> dict:

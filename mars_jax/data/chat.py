@@ -304,9 +304,9 @@ def tokenize_rendered(tokenizer, rendered: Sequence[tuple[str, list[Span]]]
   out = []
   for (text, spans), ids, encoding in zip(rendered, enc["input_ids"], encodings):
     mask = _label_by_tokens(encoding, ids, spans, special) if encoding else None
-    if mask is None:
-      offsets = tokenizer(text, add_special_tokens=False,
-                          return_offsets_mapping=True)["offset_mapping"]
+    if mask is None:   # the offsets the encoding holds, or a slow tokenizer's (if any)
+      offsets = encoding.offsets if encoding else tokenizer(
+          text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
       mask = _label(np.asarray(offsets, np.int64).reshape(-1, 2), np.asarray(ids), spans,
                     special)
     out.append({"tokens": np.asarray(ids, np.int32), "loss_mask": mask})

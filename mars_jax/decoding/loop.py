@@ -183,7 +183,10 @@ def state_axes() -> DecodeState:
 def pin(state: DecodeState) -> DecodeState:
   """`state` with every field pinned to its logical axes (`layers.constrain`: a no-op
   unless traced `on_mesh`)."""
-  return jax.tree.map(lambda x, axes: layers.constrain(x, tuple(axes)), state, state_axes())
+  axes = state_axes()
+  if set(state.cache) != set(axes.cache):   # a page pool (`ragged`): one device, unpinned
+    axes = axes.replace(cache={k: P() for k in state.cache})
+  return jax.tree.map(lambda x, axes: layers.constrain(x, tuple(axes)), state, axes)
 
 
 def on_mesh(mesh: Mesh | None):
@@ -194,14 +197,16 @@ def on_mesh(mesh: Mesh | None):
 
 def feed(config: Qwen2Config, runtime: Runtime, params, seq: Array, cache, cursor: Array,
          real_count: Array, mask_start: Array, active: Array, proposing: Array,
-         mask_token_id: Array, *, real_slots: int, window: int) -> tuple[Array, dict]:
+         mask_token_id: Array, out_slots: Array, *, real_slots: int, window: int
+         ) -> tuple[Array, dict]:
   """The cached forward of a step: per row, `real_slots` slots of seq[cursor:] (the first
   `real_count` real: their K/V written at their positions), then window - 1 MASK slots at
   positions mask_start, mask_start + 1, ... (written where `proposing`); a slot attends
   the cache slots at or before its position.
 
-  seq: int32[b, S]; cursor, real_count, mask_start: int32[b]; active, proposing: bool[b]
-  -> (final-normed hidden [b, real_slots + window - 1, embed], the updated cache)."""
+  seq: int32[b, S]; cursor, real_count, mask_start: int32[b]; active, proposing: bool[b];
+  out_slots: int32[b, o], the slots whose outputs the step reads
+  -> (final-normed hidden at out_slots [b, o, embed], the updated cache)."""
   batch, slots = seq.shape
   slot = jnp.arange(real_slots)[None]
   is_real = (slot < real_count[:, None]) & active[:, None]
@@ -215,13 +220,22 @@ def feed(config: Qwen2Config, runtime: Runtime, params, seq: Array, cache, curso
   write_slots = jnp.concatenate([jnp.where(is_real, real_pos, slots),
                                  jnp.where(proposing[:, None], mask_pos, slots)], axis=1)
   attn_mask = jnp.arange(slots)[None, None] <= positions[..., None]
-  return qwen2.Qwen2ForCausalLM(config, runtime).apply(
+  hidden, cache = qwen2.Qwen2ForCausalLM(config, runtime).apply(
       {"params": params}, tokens, positions, attn_mask, cache, write_slots, method="hidden")
+  return jnp.take_along_axis(hidden, out_slots[..., None], axis=1), cache
 
 
 def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, eos_ids: Array,
-            mask_token_id: Array, *, real_slots: int, window: int, mode: Mode) -> DecodeState:
+            mask_token_id: Array, *, real_slots: int | Array, window: int, mode: Mode,
+            forward=feed, runs: Array | None = None, auto_window: Array | None = None
+            ) -> DecodeState:
   """One forward over `real_slots` pending-token slots plus `window-1` MASK slots.
+
+  real_slots: one width for every row, or int32[b], each row's own (the ragged engine);
+  forward: the step's forward (`feed`'s arguments and result; the ragged engine's runs
+  a flat batch over a page pool); runs: bool[b], the rows this forward runs (None: all;
+  the others are left as they are); auto_window: int32[], the window of rows that fix
+  none (None: `window`).
 
   The pending tokens seq[cursor:length] of each sample, then (lossless) its
   drafts, at most `real_slots` in all, are fed as real inputs and their K/V
@@ -234,30 +248,29 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   """
   batch, slots = state.seq.shape
   rows = jnp.arange(batch)[:, None]
-  active = ~state.done
+  active = ~state.done if runs is None else ~state.done & runs
   cursor, length = state.cursor, state.length
   pending = length - cursor                       # accepted, K/V not written yet
   partial = active & (pending > real_slots)
   c = state.controls
-  cap = jnp.where(c.window > 0, jnp.minimum(c.window, window), window)  # tokens per forward
+  auto = window if auto_window is None else auto_window
+  cap = jnp.where(c.window > 0, jnp.minimum(c.window, window), auto)  # tokens per forward
   drafts_fed = jnp.zeros_like(length)
   if mode == "lossless":
     drafts_fed = jnp.where(partial | ~c.lossless, 0,
                            jnp.clip(jnp.minimum(state.draft, real_slots - pending), 0, cap - 1))
   real_count = jnp.where(partial, real_slots, pending + drafts_fed)
   proposing = active & ~partial
-  hidden, cache = feed(config, runtime, params, state.seq, state.cache, cursor, real_count,
-                       length + drafts_fed, active, proposing, mask_token_id,
-                       real_slots=real_slots, window=window)
-
   last_verified = jnp.maximum(pending - 1, 0)[:, None]  # input slot of the last real token
   real_out = last_verified + jnp.arange(window if mode == "lossless" else 1)[None]
+  widths = jnp.broadcast_to(jnp.asarray(real_slots, jnp.int32), (batch,))[:, None]
   out_slots = jnp.concatenate(
-      [jnp.minimum(real_out, real_slots - 1),
-       jnp.broadcast_to(real_slots + jnp.arange(window - 1), (batch, window - 1))], axis=1)
-  logits = qwen2.unembed(config, params,
-                         jnp.take_along_axis(hidden, out_slots[..., None], axis=1),
-                         runtime=runtime)
+      [jnp.minimum(real_out, widths - 1),
+       jnp.broadcast_to(widths + jnp.arange(window - 1), (batch, window - 1))], axis=1)
+  hidden, cache = forward(config, runtime, params, state.seq, state.cache, cursor, real_count,
+                          length + drafts_fed, active, proposing, mask_token_id, out_slots,
+                          real_slots=real_slots, window=window)
+  logits = qwen2.unembed(config, params, hidden, runtime=runtime)
   budget_left = jnp.where(proposing, state.limit - length, 0)
   proposal = jnp.arange(window)[None]
   ends = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch,) + eos_ids.shape), c.stop_ids],
@@ -348,7 +361,7 @@ def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh",))
 def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
-           max_new_tokens: Array, controls: Controls, *,
+           max_new_tokens: Array, controls: Controls, start: Array | None = None, *,
            mesh: Mesh | None = None) -> DecodeState:
   """Starts new samples in rows of a state, leaving the other rows as they are.
 
@@ -356,7 +369,8 @@ def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
   prompt_len: int32[k] (>= 1); max_new_tokens: int32[k] (0: the row stays done);
   controls: `Controls` of k rows (stop ids as wide as the state's). The rows' old K/V
   stay in the cache: a query at position p reads slots <= p only, and the new
-  sample's forwards write them first.
+  sample's forwards write them first. start: int32[k], the prompt tokens whose K/V the
+  cache holds already (a prefix cache's hit; None: none).
   """
   def put(field, value):
     return field.at[rows].set(value.astype(field.dtype), mode="drop")
@@ -365,7 +379,8 @@ def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
   zeros = jnp.zeros_like(prompt_len)
   with on_mesh(mesh):
     return pin(state.replace(
-        seq=seq, cursor=put(state.cursor, zeros), length=put(state.length, prompt_len),
+        seq=seq, cursor=put(state.cursor, zeros if start is None else start),
+        length=put(state.length, prompt_len),
         draft=put(state.draft, zeros), prompt_len=put(state.prompt_len, prompt_len),
         limit=put(state.limit, prompt_len + max_new_tokens),
         controls=jax.tree.map(put, state.controls, controls),

@@ -186,18 +186,16 @@ def verify(target: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array
   proposing = active & ~partial
   real_count = jnp.where(partial, real_slots, pending + fed)
   end = length + fed                              # the position after the last draft
-  hidden, cache = loop.feed(target.config, target.runtime, params,
-                            jnp.minimum(d.seq, target.config.vocab_size - 1), t.cache,
-                            cursor, real_count, end, active, proposing, mask_token_id,
-                            real_slots=real_slots, window=window)
-
   i = jnp.arange(k + 1)[None]                     # the AR token after i drafts
   j = jnp.arange(window - 1)[None]                # MASK slot j: the token at end + 1 + j
   out_slots = jnp.concatenate(
       [jnp.minimum(jnp.maximum(pending - 1, 0)[:, None] + i, real_slots - 1),
        jnp.broadcast_to(real_slots + j, (batch, window - 1))], axis=1)
-  logits = qwen2.unembed(target.config, params,
-                         jnp.take_along_axis(hidden, out_slots[..., None], axis=1),
+  hidden, cache = loop.feed(target.config, target.runtime, params,
+                            jnp.minimum(d.seq, target.config.vocab_size - 1), t.cache,
+                            cursor, real_count, end, active, proposing, mask_token_id,
+                            out_slots, real_slots=real_slots, window=window)
+  logits = qwen2.unembed(target.config, params, hidden,
                          runtime=target.runtime)
   fills = jnp.concatenate([length[:, None] + i, (end + 1)[:, None] + j], axis=1)
   out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mars_jax.models.config import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.models.qwen2 import Qwen2ForCausalLM
+from mars_jax.models.config import DEFAULT_RUNTIME, Qwen2Config, Runtime, scan_layers_of
+from mars_jax.models.layers import rope_cos_sin
+from mars_jax.models.paged import Paged
+from mars_jax.models.qwen2 import DecoderLayer, Qwen2ForCausalLM
 
 Array = jax.Array
 Cache = dict[str, Array]
@@ -47,3 +49,31 @@ def init_cache(config: Qwen2Config, batch: int, max_len: int, *,
            config.head_dim)
   dtype = runtime.jnp_dtype
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def forward_paged(config: Qwen2Config, runtime: Runtime, params, tokens: Array,
+                  paged: Paged) -> tuple[Array, Paged]:
+  """The decoder over a flat batch through a page pool (`mars_jax.models.paged`): tokens
+  int32[T] at paged.positions -> (final-normed hidden [T, embed], the `Paged` with this
+  step's K/V written into its pool).
+
+  The layers run in a `lax.scan` that carries the pool (stacked params), or a Python loop
+  (unrolled params), so each layer's write is in place."""
+  model = Qwen2ForCausalLM(config, runtime)
+  x = model.apply({"params": params}, tokens[None], method="embed")
+  cos, sin = rope_cos_sin(paged.positions[None], config.head_dim, config.rope_theta,
+                          config.rope_scaling)
+  layer_module = DecoderLayer(config, runtime)
+
+  def run_layer(x, paged, layer_params, layer):
+    return layer_module.apply({"params": layer_params}, x, layer, paged, cos, sin, None, None)
+
+  if scan_layers_of(params):
+    def body(carry, xs):
+      return run_layer(*carry, *xs), None
+    (x, paged), _ = jax.lax.scan(body, (x, paged),
+                                 (params["layers"], jnp.arange(config.num_hidden_layers)))
+  else:
+    for i in range(config.num_hidden_layers):
+      x, paged = run_layer(x, paged, params[f"layers_{i}"], jnp.int32(i))
+  return model.apply({"params": params}, x, method="final")[0], paged

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mars_jax.models import attention, context
+from mars_jax.models import attention, context, paged
 from mars_jax.models.attention import Spans, cached_attention, uncached_attention
 from mars_jax.models.flash import TokenMask
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
@@ -121,6 +121,8 @@ class Attention(nn.Module):
     new_kv = None
     if cache is None:
       out = uncached_attention(q, k, v, mask, rt.attention_impl, self.spans)
+    elif isinstance(cache, paged.Paged):  # a flat batch over a page pool: hands the pool back
+      out, new_kv = paged.attend(q, k, v, cache, layer)
     else:  # decoding: read the cache, hand this step's K/V back for one write of all layers
       new_kv = {"k": k.astype(cache["k"].dtype), "v": v.astype(cache["v"].dtype)}
       out = cached_attention(q, new_kv["k"].astype(rt.jnp_dtype),
@@ -233,10 +235,7 @@ class Qwen2ForCausalLM(nn.Module):
       tokens, positions, attn_mask = split(tokens), split(positions), attn_mask.map(split)
     elif not attention.keeps_token_mask(self.runtime.attention_impl, length):
       attn_mask = attention.dense(attn_mask)  # drawn out once, not in every layer
-    x = jnp.take(self.embedding, tokens, axis=0)
-    if self.mask_id is not None:
-      x = jnp.where((tokens == self.mask_id)[..., None], self.mask_embedding, x)
-    x = constrain(x.astype(self.runtime.jnp_dtype), EMBED_AXES)
+    x = self.embed(tokens)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
     if self.runtime.scan_layers:
       x, new_kv = self.layers(x, jnp.arange(c.num_hidden_layers), cache, cos, sin, attn_mask,
@@ -253,7 +252,19 @@ class Qwen2ForCausalLM(nn.Module):
           new_kv[n].transpose(1, 2, 0, 3, 4), mode="drop") for n in ("k", "v")}
     if shards > 1:
       x = context.merge(x, shards, length)
-    return constrain(self.final_norm(x), EMBED_AXES), cache
+    return self.final(x), cache
+
+  def embed(self, tokens):
+    """tokens: int32[b, t] -> their embeddings [b, t, embed] (compute dtype; the trained
+    `<|mask|>` row where the params hold one)."""
+    x = jnp.take(self.embedding, tokens, axis=0)
+    if self.mask_id is not None:
+      x = jnp.where((tokens == self.mask_id)[..., None], self.mask_embedding, x)
+    return constrain(x.astype(self.runtime.jnp_dtype), EMBED_AXES)
+
+  def final(self, x):
+    """The final norm of the last layer's output [b, t, embed]."""
+    return constrain(self.final_norm(x), EMBED_AXES)
 
   def unembed(self, hidden):
     """hidden: [b, t, embed] -> float32 logits [b, t, vocab]."""

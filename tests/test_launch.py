@@ -17,7 +17,7 @@ def run(script, *args, env=None):
 
 
 @pytest.mark.parametrize("script", ["local.sh", "gpu_slurm.sbatch", "tpu_vm.sh",
-                                    "device_check.sh", "slurm_localhost.sh"])
+                                    "device_check.sh", "slurm_localhost.sh", "vllm_venv.sh"])
 def test_help(script):
   assert "Usage:" in run(script, "--help")
 

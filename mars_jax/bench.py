@@ -10,7 +10,8 @@ vs a peer.
   speculative  two-model decoding (AR or MARS drafter x AR or MARS target) vs the target
           alone, both trained on the embedded task
   serve   the HTTP server (python -m mars_jax.serve) under N closed-loop users of the
-          openai client: window auto vs W=1 vs transformers serve --continuous-batching;
+          openai client: window auto vs W=1 vs the peers (--peer: transformers serve
+          --continuous-batching, vllm serve from the venv of launch/vllm_venv.sh);
           what vllm bench serve reports, rows per forward, compiles after ready
   data    building and reading the training data: our tokenized cache (python -m
           mars_jax.data.prepare --workers W, then a training start's first batch) vs

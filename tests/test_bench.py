@@ -1,10 +1,14 @@
 """The benches run end to end: decoding on the trained toy, the train step on a tiny shape."""
 
 import json
+import os
+import subprocess
 
 import pytest
 
-from mars_jax.benchmarks import decode_cost, sample, serve_load, speculative, step
+from mars_jax.benchmarks import decode_cost, sample, serve_load, serve_peers, speculative, step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow  # ~40 s; the closing notes run the README's bench commands as written
@@ -81,6 +85,57 @@ def test_bench_serve_smoke(tmp_path):
       assert point["rows_per_forward"] > 0 and point["tokens_per_forward"] >= 1
   local = result["rows"][1]["auto_in_process"]
   assert figures <= set(local) and local["output_tokens_per_s"] > 0
+
+
+def test_bench_serve_peer_list():
+  """--peer: a comma list of transformers and vllm (default both), each once, or none
+  alone; anything else is refused."""
+  def peers(*argv):
+    return serve_load.parser().parse_args(list(argv)).peer
+  assert peers() == ["transformers", "vllm"]
+  assert peers("--peer", "vllm") == ["vllm"]
+  assert peers("--peer", "vllm, transformers,vllm") == ["vllm", "transformers"]
+  assert peers("--peer", "none") == []
+  for bad in ("vllm,none", "tgi", ""):
+    with pytest.raises(SystemExit):
+      peers("--peer", bad)
+
+
+def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
+  """Without a finished vLLM venv the vllm peer is skipped in one line that names the
+  command which builds it, and the other peers stay; with one, its command and
+  environment. The bench finds the venv where launch/vllm_venv.sh puts it."""
+  monkeypatch.delenv("MARS_JAX_VLLM_VENV", raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))
+  script = subprocess.run(["bash", os.path.join(ROOT, "launch", "vllm_venv.sh"),
+                           "--print-path"], capture_output=True, text=True, check=True)
+  assert script.stdout.strip() == serve_peers.vllm_venv(None)
+  assert serve_peers.vllm_venv(None).startswith(str(tmp_path / ".cache" / "mars_jax"))
+
+  venv = tmp_path / "venv"
+  monkeypatch.setenv("MARS_JAX_VLLM_VENV", str(venv))
+  assert serve_peers.select(["transformers", "vllm"], None)[0] == ["transformers"]
+  out = capsys.readouterr().out.splitlines()
+  assert len(out) == 1 and out[0].startswith("vllm peer skipped: no vLLM venv at")
+  assert out[0].endswith("build it with: bash launch/vllm_venv.sh")
+
+  (venv / "bin").mkdir(parents=True)
+  (venv / "bin" / "vllm").write_text("#!/bin/sh\n")
+  (venv / "bin" / "vllm").chmod(0o755)
+  peers, skipped = serve_peers.select(["vllm"], None)   # an unfinished build: no marker
+  assert peers == [] and "did not finish its build" in skipped["vllm"]
+  assert serve_peers.select(["vllm"], str(venv)) == (["vllm"], {})  # --vllm-venv: as it is
+  (venv / serve_peers.VLLM_MARKER).write_text("built\n")
+  assert serve_peers.select(["vllm", "transformers"], None) == (["vllm", "transformers"], {})
+
+  args = serve_load.parser().parse_args(["--max-len", "300"])
+  name, command, env = serve_peers.launch_spec("vllm", "/m", 8123, args)
+  assert name == "bench" and command == [
+      str(venv / "bin" / "vllm"), "serve", "/m", "--dtype", "float32", "--max-model-len",
+      "300", "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "bench"]
+  assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+  assert "--max-model-len 512" in " ".join(serve_peers.launch_spec(
+      "vllm", "/m", 1, serve_load.parser().parse_args([]))[1])
 
 
 @pytest.mark.e2e  # a benchmark run as the README gives it

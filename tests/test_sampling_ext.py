@@ -309,22 +309,22 @@ def test_continuous_batching_equals_each_request_alone(model):
 
 
 def test_continuous_batching_lossless_with_load_aware_window(model):
-  """Buckets follow the load (4 rows, then fewer), W follows the policy, output is AR."""
+  """W follows the policy over the costs of the real step (its flat width at each W: the
+  server's widths), and the output is AR whatever W it picks."""
   config, params = model
   prompts, budgets = _requests(seed=1, n=6)
-  policy = WindowPolicy((1, 3), _table(4, 64, {1: 1.0, 3: 1.5}), round_steps=4)
-  for b in (1, 2):
-    policy.costs.put(b, 64, 1, 1.0)
-    policy.costs.put(b, 64, 3, 1.5)
+  policy = WindowPolicy((1, 3), round_steps=4)
   server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
-                        batch_size=4, min_batch_size=1, max_len=64, window=policy,
-                        mode="lossless", prefill_chunk=8)
+                        batch_size=4, max_len=64, window=policy, mode="lossless",
+                        prefill_chunk=8)
+  for width in server.widths:
+    policy.costs.put(width, 64, 1, 1.0)
+    policy.costs.put(width, 64, 3, 1.5)
   ids = [server.submit(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
   done = server.run()
   for i, p in enumerate(prompts):
     assert done[ids[i]].tokens == naive_ar(config, params, p, budgets[i], (EOS_NEVER,))
-  buckets = [c[0] for c in policy.choices]
-  assert buckets[0] == 4 and min(buckets) < 4
+  assert max(c[0] for c in policy.choices) == 4                # rows decoding at once
   assert {c[2] for c in policy.choices} == {1, 3}            # the acceptance moved it to 1
   with pytest.raises(ValueError, match="exceeds the server's max_len"):
     server.submit(list(range(60)), max_new_tokens=8)
@@ -332,9 +332,9 @@ def test_continuous_batching_lossless_with_load_aware_window(model):
 
 def test_per_request_windows_and_modes_share_a_batch(model):
   """Gated requests at windows 1..4 and lossless ones in one batch of a W = 1 server
-  (max_window 4: rounds run at W = 4, each row capped at its own window) each get what
-  they get alone at their window; a cancelled request frees its row, leaves no
-  completion and changes nobody's tokens."""
+  (max_window 4: each row runs at its own window in the flat batch, the "auto" ones at
+  the server's W = 1) each get what they get alone at their window; a cancelled request
+  frees its row and its pages, leaves no completion and changes nobody's tokens."""
   config, params = model
   prompts, budgets = _requests(seed=2, n=7)
   kinds = [("gated", 2, 0.45), ("lossless", "auto", 1.0), ("gated", 3, 0.3),
@@ -346,10 +346,11 @@ def test_per_request_windows_and_modes_share_a_batch(model):
   ids = [server.submit(p, max_new_tokens=b, tau=t, window=w, mode=m)
          for p, b, (m, w, t) in zip(prompts, budgets, kinds)]
   server.step()
-  assert server.window == 4 and server.slots[0] == doomed
+  assert server.window == 1 and server.slots[0] == doomed
   assert server.cancel(doomed) and not server.cancel(10 ** 6)
   done = server.run()
   assert doomed not in done and server.idle
+  assert server.pool.free == server.pool.num_pages - 1 and not server.rows
   for i, (p, b, (mode, w, t)) in enumerate(zip(prompts, budgets, kinds)):
     if mode == "lossless":
       want = naive_ar(config, params, p, b, (EOS_NEVER,))
@@ -365,9 +366,8 @@ def test_per_request_windows_and_modes_share_a_batch(model):
 @pytest.mark.e2e   # 15-25 s of compiling: the default suite has tests/test_programs.py
 def test_saved_programs_serve_what_jit_serves_and_a_second_server_loads_them(model, tmp_path):
   """A server calling its kernels through `Programs` (executables written to disk) gives
-  the AR tokens while its batch moves one bucket at a time (4 rows, then fewer); a second
-  server over the same directory loads every program its warmup needs, compiles none,
-  and serves the same."""
+  the AR tokens and frees every page; a second server over the same directory loads
+  every program its warmup needs, compiles none, and serves the same."""
   config, params = model
   prompts, budgets = _requests(seed=1, n=5)
   outputs = []
@@ -382,6 +382,6 @@ def test_saved_programs_serve_what_jit_serves_and_a_second_server_loads_them(mod
     ids = [server.submit(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
     done = server.run()
     outputs.append([done[i].tokens for i in ids])
-    assert len(server.slots) < 4
+    assert server.pool.free == server.pool.num_pages - 1
   assert outputs[0] == outputs[1] == [naive_ar(config, params, p, b, (EOS_NEVER,))
                                       for p, b in zip(prompts, budgets)]

@@ -20,9 +20,14 @@ fixed for its steps; the host (`mars_jax.serve.server`) builds one per call: the
 that prefill take one step at their chunk's width, the decoding rounds `round_steps`
 steps at 2W - 1 slots a row.
 
-Compilation: one per (flat width T, tiles, tile width, W, mode) and the state's shapes;
-the rows' lengths, page lists and windows are traced, so a longer context or another
-mix of windows compiles nothing.
+A call takes its rows out of the state (`Layout.rows`, R of them), steps them, and puts
+them back: the proposals, gates and draws of a step cost the call's rows, never the
+state's max_num_seqs.
+
+Compilation: one per (flat width T, rows R, tiles, tile width, W, mode) and the state's
+shapes, which the host ties together (`mars_jax.serve.server`); the rows' lengths, page
+lists and windows are traced, so a longer context or another mix of windows compiles
+nothing.
 """
 
 from __future__ import annotations
@@ -46,12 +51,16 @@ TABLE_CHUNK = 256   # page-table entries `set_pages` writes per call
 
 @struct.dataclass
 class Layout:
-  """Where each row's slots sit in a call's flat batch (b rows, T flat slots).
+  """Which rows a call runs and where their slots sit in its flat batch (R: the call's
+  rows, T flat slots).
 
-  runs: bool[b], the rows the call runs; real_slots: int32[b] (0 where not running);
-  start: int32[b], the row's first flat slot; row: int32[T] (b: padding), slot: int32[T]
-  (the slot's index in its row's span); tiles: `paged.Tiles`, the query tiles.
+  rows: int32[R], the state rows the call runs, in flat order (b: padding); the other
+  fields index them (the call's row k is the state's rows[k]): runs: bool[R];
+  real_slots: int32[R]; start: int32[R], the row's first flat slot; row: int32[T] (R:
+  padding), slot: int32[T] (the slot's index in its row's span); tiles: `paged.Tiles`
+  (tile rows are call rows).
   """
+  rows: Array
   runs: Array
   real_slots: Array
   start: Array
@@ -60,11 +69,14 @@ class Layout:
   tiles: paged.Tiles
 
 
-def layout(rows: int, spans: list[tuple[int, int, int]], width: int, tiles: int,
-           tile_width: int) -> Layout:
-  """The `Layout` (numpy) of a call: spans lists (row, real slots, window) of the rows
-  it runs, in flat order; width: T; tiles: the number of tiles (a bound); tile_width:
-  tq. Raises ValueError when the spans exceed T or the tiles."""
+def layout(state_rows: int, spans: list[tuple[int, int, int]], width: int, rows: int,
+           tiles: int, tile_width: int) -> Layout:
+  """The `Layout` (numpy) of a call: spans lists (state row, real slots, window) of the
+  rows it runs, in flat order; width: T; rows: R (a bound); tiles: the number of tiles
+  (a bound); tile_width: tq. Raises ValueError when the spans exceed T, R or the tiles."""
+  if len(spans) > rows:
+    raise ValueError(f"{len(spans)} rows in a call of {rows}.")
+  which = np.full((rows,), state_rows, np.int32)
   runs = np.zeros((rows,), bool)
   real = np.zeros((rows,), np.int32)
   start = np.zeros((rows,), np.int32)
@@ -74,23 +86,25 @@ def layout(rows: int, spans: list[tuple[int, int, int]], width: int, tiles: int,
   tile_row = np.zeros((tiles,), np.int32)
   at = np.full((width,), tiles * tile_width - 1, np.int32)
   flat = n = 0
-  for r, rs, w in spans:
+  for k, (r, rs, w) in enumerate(spans):
     count = rs + w - 1
     if flat + count > width:
       raise ValueError(f"the call's spans need more than its {width} slots.")
-    runs[r], real[r], start[r] = True, rs, flat
-    row[flat:flat + count] = r
+    which[k], runs[k], real[k], start[k] = r, True, rs, flat
+    row[flat:flat + count] = k
     slot[flat:flat + count] = np.arange(count)
-    for first in range(0, count, tile_width):
-      if n == tiles:
-        raise ValueError(f"the call's spans need more than its {tiles} tiles.")
-      k = min(tile_width, count - first)
-      tile_token[n, :k] = np.arange(flat + first, flat + first + k)
-      tile_row[n] = r
-      at[flat + first:flat + first + k] = n * tile_width + np.arange(k)
-      n += 1
+    tiles_k = -(-count // tile_width)
+    if n + tiles_k > tiles:
+      raise ValueError(f"the call's spans need more than its {tiles} tiles.")
+    firsts = np.arange(tiles_k) * tile_width
+    for i, first in enumerate(firsts):
+      k_slots = min(tile_width, count - first)
+      tile_token[n + i, :k_slots] = flat + first + np.arange(k_slots)
+    tile_row[n:n + tiles_k] = k
+    at[flat:flat + count] = n * tile_width + np.arange(count)
+    n += tiles_k
     flat += count
-  return Layout(runs, real, start, row, slot, paged.Tiles(tile_token, tile_row, at))
+  return Layout(which, runs, real, start, row, slot, paged.Tiles(tile_token, tile_row, at))
 
 
 def new_state(config: Qwen2Config, rows: int, max_len: int, pages: int, page_size: int, *,
@@ -140,6 +154,28 @@ def feed(config: Qwen2Config, runtime: Runtime, params, seq: Array, cache, curso
   return hidden[at], {**cache, "k": pg.k, "v": pg.v}
 
 
+PER_ROW = ("seq", "cursor", "length", "draft", "prompt_len", "limit", "controls", "done",
+           "forwards", "born")
+
+
+def _take(state: DecodeState, rows: Array) -> DecodeState:
+  """The call's rows of the state (padding rows: done); the pool is shared, not copied."""
+  b = state.seq.shape[0]
+  idx = jnp.minimum(rows, b - 1)
+  sub = state.replace(**{f: jax.tree.map(lambda a: a[idx], getattr(state, f))
+                         for f in PER_ROW},
+                      cache={**state.cache, "table": state.cache["table"][idx]})
+  return sub.replace(done=sub.done | (rows >= b))
+
+
+def _put(state: DecodeState, rows: Array, sub: DecodeState) -> DecodeState:
+  """`state` with the call's rows set from `sub` (padding rows dropped) and its pool."""
+  return state.replace(
+      **{f: jax.tree.map(lambda whole, part: whole.at[rows].set(part, mode="drop"),
+                         getattr(state, f), getattr(sub, f)) for f in PER_ROW},
+      steps=sub.steps, cache={**state.cache, "k": sub.cache["k"], "v": sub.cache["v"]})
+
+
 @functools.partial(jax.jit, static_argnames=("config", "runtime", "window", "mode"),
                    donate_argnames=("state",))
 def run_steps(config: Qwen2Config, params, state: DecodeState, layout: Layout, eos_ids: Array,
@@ -149,8 +185,11 @@ def run_steps(config: Qwen2Config, params, state: DecodeState, layout: Layout, e
   """Steps of the rows the layout runs, until they are all done, `max_steps` forwards
   ran, or (stop_on_finish) one of them finished. window: the largest W of the call (a
   row's own is its fixed window, else auto_window: int32[]); arguments else as
-  `loop.run_steps`. -> the new state (the old one is donated)."""
-  done0, steps0 = state.done, state.steps
+  `loop.run_steps`. The call's rows are taken out of the state once, stepped, and put
+  back, so the per-row work of a step (its logits, gates, draws) is the call's rows',
+  not the whole state's. -> the new state (the old one is donated)."""
+  sub = _take(state, layout.rows)
+  done0, steps0 = sub.done, sub.steps
   runs = layout.runs
 
   def cond(st):
@@ -162,4 +201,4 @@ def run_steps(config: Qwen2Config, params, state: DecodeState, layout: Layout, e
       loop.advance, config, runtime, params, eos_ids=eos_ids, mask_token_id=mask_token_id,
       real_slots=layout.real_slots, window=window, mode=mode,
       forward=functools.partial(feed, layout=layout), runs=runs, auto_window=auto_window)
-  return jax.lax.while_loop(cond, step, state)
+  return _put(state, layout.rows, jax.lax.while_loop(cond, step, sub))

@@ -70,10 +70,26 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tau", type=float, default=1.0, help="default gate threshold (gated mode)")
   p.add_argument("--gate", choices=choices.values(Metric), default="probability",
                  help="default gate metric (gated mode)")
-  p.add_argument("--batch-size", type=int, default=None,
-                 help="rows of the batch at full load (default: as many as "
-                      "--memory-utilization of the free memory holds at --max-len, at most "
-                      "256; the start-up log says why)")
+  p.add_argument("--max-num-seqs", "--batch-size", dest="max_num_seqs", type=int,
+                 default=None,
+                 help="requests decoding at once, the rows of the state (default: 256, as "
+                      "vLLM; with --drafter or --mesh: as many rows of --max-len as "
+                      "--memory-utilization of the free memory holds, at most 256)")
+  p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                 help="tokens a forward runs at most: every decoding row's 2W - 1 slots, "
+                      "then chunks of new prompts (default: max(2048, rows x (2 x the "
+                      "largest W - 1)), a power of two)")
+  p.add_argument("--block-size", type=int, default=16,
+                 help="token slots of a KV page (vLLM's name)")
+  p.add_argument("--num-kv-pages", type=int, default=None,
+                 help="pages of the KV pool (default: what --memory-utilization of the free "
+                      "memory holds once XLA's figure for the widest step's temporaries is "
+                      "counted, at most --max-num-seqs rows of --max-len; the start-up log "
+                      "says why)")
+  p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                 default=True,
+                 help="reuse the KV pages of a prompt's prefix that an earlier request "
+                      "computed (a shared system prompt, the next turn of a chat)")
   p.add_argument("--memory-utilization", type=float, default=0.9,
                  help="the share of the device's memory (the CPU backend: of the host's "
                       "available memory) the default batch may fill")
@@ -88,7 +104,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--admit-steps", type=int, default=2,
                  help="decoding steps per round while the batch has a free row (a request "
                       "that arrives meanwhile starts at the next round)")
-  p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill step")
+  p.add_argument("--prefill-chunk", type=int, default=None,
+                 help="prompt tokens a request prefills per forward at most (default: the "
+                      "token budget, --max-num-batched-tokens; with --drafter or --mesh: 64)")
   p.add_argument("--cost-table", default=None,
                  help="JSON of step costs: read at start when it exists, written at exit")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -172,9 +190,12 @@ def main(argv=None) -> None:
             "none).")
   if args.max_restarts < 0:
     p.error(f"--max-restarts={args.max_restarts}; it must be >= 0.")
-  if args.batch_size is not None and args.batch_size < 1:
-    p.error(f"--batch-size={args.batch_size}; it must be >= 1 (leave it out to size the "
-            "batch from the free memory).")
+  for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_pages"):
+    value = getattr(args, flag)
+    if value is not None and value < 1:
+      p.error(f"--{flag.replace('_', '-')}={value}; it must be >= 1 (leave it out for the "
+              "default).")
+  args.batch_size = args.max_num_seqs
   if not 0 < args.memory_utilization <= 1:
     p.error(f"--memory-utilization={args.memory_utilization}; expected a share in (0, 1].")
   if args.max_queued < 0:

@@ -131,6 +131,20 @@ def metrics_text(engine: Engine, model_name: str, drafter: bool) -> str:
   metric("window", "gauge", "Proposals per forward W of the last round.", [(label, m.window)])
   metric("batch_rows", "gauge", "Rows of the compiled batch of the last round.",
          [(label, m.batch)])
+  if m.kv_pages:
+    metric("forward_tokens_total", "counter", "Tokens the forwards ran in their flat "
+           "batches (padding excluded).", [(label, m.forward_tokens)])
+    metric("kv_cache_pages", "gauge", "Pages of the KV pool.", [(label, m.kv_pages)])
+    metric("kv_cache_pages_used", "gauge", "Pages of the KV pool that requests hold.",
+           [(label, m.kv_pages_used)])
+    metric("kv_cache_pages_cached", "gauge", "Pages of the KV pool that hold a prefix-cache "
+           "entry (held or free to evict).", [(label, m.kv_pages_cached)])
+    metric("kv_cache_usage_perc", "gauge", "kv_cache_pages_used / kv_cache_pages.",
+           [(label, round(m.kv_pages_used / m.kv_pages, 6))])
+    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix "
+           "cache.", [(label, m.prefix_query_tokens)])
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache "
+           "(their prefill skipped).", [(label, m.prefix_hit_tokens)])
   metric("compiles_after_ready_total", "counter",
          "XLA programs lowered after the server said it was ready.",
          [(label, m.compiles_after_ready)])

@@ -20,10 +20,11 @@ from mars_jax.decoding.programs import Programs
 from mars_jax.decoding.window_policy import WindowPolicy
 from mars_jax.models.qwen2 import Runtime
 from mars_jax.serve import sizing
-from mars_jax.serve.server import Server
+from mars_jax.serve.server import Server, default_batched_tokens, step_bytes
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
 DEFAULT_WINDOWS = (1, 2, 3, 5)
+DENSE_PREFILL_CHUNK = 64   # the dense server's (a drafter or a mesh) prefill step width
 
 log = logging.getLogger("mars_jax.serve")
 
@@ -80,10 +81,26 @@ def build_server(args, cache: str | None = None):
   context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
   max_len = args.max_len or context + extra
   batch_size = args.batch_size
-  if batch_size is None:
+  ragged = drafter is None and model.mesh is None
+  pages = args.num_kv_pages
+  chunk = args.prefill_chunk or DENSE_PREFILL_CHUNK
+  if ragged:
+    batch_size = batch_size or sizing.MAX_ROWS
+    tokens = args.max_num_batched_tokens or default_batched_tokens(
+        batch_size, max(largest, max_window), args.prefill_chunk or 1)
+    chunk = args.prefill_chunk or tokens - max(largest, max_window) + 1
+    if pages is None:
+      pages, reason = sizing.pool_pages(
+          *step_bytes(model.config, model.params, rows=batch_size, max_len=max_len,
+                      page_size=args.block_size, width=tokens,
+                      window=max(largest, max_window), mode=args.mode, runtime=model.runtime),
+          rows=batch_size, pages_per_row=-(-max_len // args.block_size),
+          utilization=args.memory_utilization)
+      log.info("KV pool: %s (--num-kv-pages to choose)", reason)
+  elif batch_size is None:
     batch_size, reason = sizing.default_rows(
         model.config, model.runtime, max_len=max_len, window=max(largest, max_window),
-        prefill_chunk=args.prefill_chunk, utilization=args.memory_utilization,
+        prefill_chunk=chunk, utilization=args.memory_utilization,
         devices=model.mesh and list(model.mesh.devices.flat))
     log.info("batch: %s (--batch-size to choose)", reason)
   programs = cost_path = None
@@ -96,10 +113,12 @@ def build_server(args, cache: str | None = None):
   policy = fixed or WindowPolicy(
       windows, costs=cost_path if cost_path and os.path.exists(cost_path) else None,
       round_steps=args.round_steps)
+  paged = (dict(max_num_batched_tokens=tokens, page_size=args.block_size, num_pages=pages,
+                prefix_caching=args.enable_prefix_caching) if ragged
+           else dict(min_batch_size=args.min_batch_size))
   server = Server.from_model(
-      model, batch_size=batch_size, min_batch_size=args.min_batch_size,
-      max_len=max_len, window=policy,
-      mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=args.prefill_chunk,
+      model, batch_size=batch_size, max_len=max_len, window=policy,
+      mode=args.mode, tau=args.tau, metric=args.gate, prefill_chunk=chunk,
       round_steps=args.round_steps, admit_steps=args.admit_steps, max_window=max_window,
-      drafter=drafter, draft_window=args.draft_window, programs=programs)
+      drafter=drafter, draft_window=args.draft_window, programs=programs, **paged)
   return server, model, cost_path

@@ -108,6 +108,12 @@ class Metrics:
   window: int = 0             # the W of the last round
   batch: int = 0              # the batch bucket of the last round
   compiles_after_ready: int = 0
+  forward_tokens: int = 0     # flat-batch tokens the forwards ran (the ragged engine)
+  kv_pages_used: int = 0      # pool pages held by requests now
+  kv_pages_cached: int = 0    # pool pages holding a prefix-cache entry now
+  kv_pages: int = 0           # pool pages in all
+  prefix_query_tokens: int = 0
+  prefix_hit_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +251,12 @@ class _Core:
     so the counters are current even when a round produced no event)."""
     m, server = self.metrics, self.server
     m.running, m.queued = server.active, len(server.queue)
+    pool = getattr(server, "pool", None)
+    if pool is not None:
+      m.forward_tokens = server.forward_tokens
+      m.kv_pages_used, m.kv_pages_cached = pool.in_use, pool.cached
+      m.kv_pages = pool.num_pages - pool.reserved
+      m.prefix_query_tokens, m.prefix_hit_tokens = pool.query_tokens, pool.hit_tokens
     self.conn.send(Round(self.events, m))
     self.events = []
 

@@ -52,8 +52,43 @@ from mars_jax.serve.dense import DenseServer
 from mars_jax.serve.requests import Request, Round, Stream, Update
 
 TILE = 8                  # query slots of a tile (`paged.Tiles`) in a call with W > 1
-MIN_WIDTH = 16            # the narrowest flat batch
+MIN_WIDTH = 8             # the narrowest flat batch
 DEFAULT_PAGE_SIZE = 16
+
+
+def default_batched_tokens(rows: int, window: int, prefill_chunk: int) -> int:
+  """The default token budget of a step: every row decoding at the largest window, and
+  at least 2048 (vLLM's default for online serving) and a prefill chunk; a power of two."""
+  return batching.pow2(max(2048, prefill_chunk, rows * (2 * window - 1)))
+
+
+def call_shape(max_rows: int, width: int, window: int, prefill: bool) -> tuple[int, int, int]:
+  """(rows, tiles, tile width) of a call `width` slots wide: rows, at most the width over
+  a row's 2W - 1 slots in a decoding call (the width of a prefill call, where a row may
+  take one slot), and max_rows; a decoding call at W = 1 one slot a tile, else TILE (a
+  prompt chunk's queries share their row's pages)."""
+  rows = min(max_rows, width if prefill or window == 1
+             else batching.pow2(-(-width // (2 * window - 1))))
+  tq = 1 if window == 1 and not prefill else TILE
+  return rows, min(width, rows + width // tq), tq
+
+
+def step_bytes(config: Qwen2Config, params, *, rows: int, max_len: int, page_size: int,
+               width: int, window: int, mode: Mode, runtime: Runtime = DEFAULT_RUNTIME
+               ) -> tuple[int, int, int]:
+  """What XLA compiles the widest step to (a prefill call `width` slots wide at W =
+  window, over a two-page pool) -> (its temporaries, the state's bytes besides the pool,
+  a page's bytes). Lowered and compiled, never run."""
+  state = jax.eval_shape(lambda: ragged.new_state(config, rows, max_len, 2, page_size,
+                                                  runtime=runtime))
+  layout = ragged.layout(rows, [], width, *call_shape(rows, width, window, True))
+  compiled = ragged.run_steps.lower(
+      config, params, state, layout, np.zeros((8,), np.int32), np.int32(0), np.int32(1),
+      np.int32(1), np.bool_(False), window=window, mode=mode, runtime=runtime).compile()
+  pool = sum(int(np.prod(state.cache[k].shape)) * state.cache[k].dtype.itemsize
+             for k in ("k", "v"))
+  held = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+  return compiled.memory_analysis().temp_size_in_bytes, held - pool, pool // 2
 
 
 @dataclasses.dataclass
@@ -69,9 +104,10 @@ class Server(DenseServer):
   """Continuous batching on the ragged, paged engine (module doc); a drafter or a mesh
   is served by `DenseServer` (this class hands it over).
 
-  Arguments as `DenseServer`'s, and: max_num_batched_tokens: the flat batch's tokens at
-  most (default: max(2048, prefill_chunk, batch_size x (2 max_window - 1)) rounded up to a
-  power of two); page_size; num_pages: the pool (default: batch_size rows of max_len,
+  Arguments as `DenseServer`'s (batch_size: vLLM's max_num_seqs), and:
+  max_num_batched_tokens: the flat batch's tokens at most (`default_batched_tokens`);
+  prefill_chunk: the prompt tokens a row prefills in one step at most (a longer prompt,
+  or one the budget has no room for, takes several); page_size; num_pages: the pool (default: batch_size rows of max_len,
   plus the trash page); prefix_caching. min_batch_size and admit_steps keep their
   meaning where they have one (admit_steps); min_batch_size is accepted and unused."""
 
@@ -104,19 +140,19 @@ class Server(DenseServer):
                      tokenizer=tokenizer, max_stop_ids=max_stop_ids, max_window=max_window,
                      programs=programs, overlap=overlap)
     self.windows = sorted({*self.policy.windows, self.max_window})
-    need = batch_size * (2 * self.max_window - 1)
-    self.max_tokens = max_num_batched_tokens or batching.pow2(max(2048, prefill_chunk, need))
-    if self.max_tokens < 2 * self.max_window - 1:
-      raise ValueError(f"max_num_batched_tokens={self.max_tokens} is below one decoding "
-                       f"row's {2 * self.max_window - 1} slots at the largest window "
-                       f"({self.max_window}); raise it.")
+    self.max_tokens = max_num_batched_tokens or default_batched_tokens(
+        batch_size, self.max_window, prefill_chunk)
+    if self.max_tokens < prefill_chunk + self.max_window - 1:
+      raise ValueError(f"max_num_batched_tokens={self.max_tokens} cannot hold one prompt "
+                       f"chunk: prefill_chunk {prefill_chunk} + the {self.max_window - 1} "
+                       f"MASK slots of the largest window ({self.max_window}); raise it or "
+                       "lower prefill_chunk.")
     if self.num_pages < 2 + math.ceil((2 * self.max_window - 1) / page_size):
       raise ValueError(f"num_pages={self.num_pages} cannot hold one row; raise it.")
     self.widths = [w for w in (MIN_WIDTH << i for i in range(32)) if w < self.max_tokens]
     self.widths.append(self.max_tokens)
     # each round's steps commit at most W tokens a row; its one prefill step a chunk
     self.harvest_width = min(max_len, (self.policy.round_steps + 1) * self.max_window)
-    self.measure = self._measure
     self.forward_tokens = 0   # flat tokens run (padding excluded), for the metrics
 
   # ---- state ----------------------------------------------------------------------
@@ -237,6 +273,17 @@ class Server(DenseServer):
                            new.max_new_tokens, new.controls, start)
     return [row for row, _, _ in started]
 
+  def submit(self, prompt: Sequence[int], *, max_new_tokens: int, **kwargs) -> int:
+    """`DenseServer.submit`; also refuses a request that the whole pool cannot hold."""
+    room = (self.pool.num_pages - self.pool.reserved) * self.page_size
+    need = len(prompt) + max_new_tokens + 2 * self.max_window
+    if need > room:
+      raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + "
+                       f"{2 * self.max_window} (the window's slots) = {need} tokens; the KV "
+                       f"pool holds {room} ({self.pool.num_pages - self.pool.reserved} pages "
+                       f"of {self.page_size}): lower max_tokens.")
+    return super().submit(prompt, max_new_tokens=max_new_tokens, **kwargs)
+
   def _preempt(self, row: int) -> None:
     """Frees a row and puts its request back at the front of the queue, its committed
     tokens appended to its prompt (module doc)."""
@@ -288,11 +335,11 @@ class Server(DenseServer):
       return 1
     best, best_rate = 1, None
     for w in self.policy.windows:
-      width = self._width(fixed + len(auto) * (2 * w - 1))
-      if width is None:
-        continue
       call_w = self._call_window(max([w] + [self.rows[r].request.controls["window"]
                                             for r in decoding]))
+      width = self._fit(fixed + len(auto) * (2 * w - 1), len(decoding), call_w)
+      if width is None:
+        continue
       seconds = self._cost(width, call_w)
       rate = len(auto) * self.policy.stats.tokens_per_forward(w) / seconds
       if best_rate is None or rate > best_rate:
@@ -301,25 +348,31 @@ class Server(DenseServer):
     return best
 
   def _cost(self, width: int, window: int) -> float:
-    if self.policy.costs.get(width, self.max_len, window) is None:
-      self.policy.calibrate(width, self.max_len, self._measure)
-    return self.policy.costs.get(width, self.max_len, window)
-
-  def _width(self, tokens: int) -> int | None:
-    return next((w for w in self.widths if w >= tokens), None)
+    seconds = self.policy.costs.seconds.get((width, self.max_len, window))
+    if seconds is None:
+      seconds = self._measure(width, window)
+      self.policy.costs.put(width, self.max_len, window, seconds)
+    return seconds
 
   def _call_window(self, largest: int) -> int:
     return min(w for w in self.windows if w >= largest)
 
-  def _tiles(self, width: int, window: int) -> tuple[int, int]:
-    """(tiles, tile width) of a call: W = 1 calls one slot a tile, else TILE."""
-    tq = 1 if window == 1 else TILE
-    return min(width, self.max_batch + width // tq), tq
+  def _shape(self, width: int, window: int, prefill: bool) -> tuple[int, int, int]:
+    return call_shape(self.max_batch, width, window, prefill)
 
-  def _layout(self, spans: list[tuple[int, int, int]], window: int) -> ragged.Layout:
-    width = self._width(sum(rs + w - 1 for _, rs, w in spans))
-    tiles, tq = self._tiles(width, window)
-    return ragged.layout(self.max_batch, spans, width, tiles, tq)
+  def _layout(self, spans: list[tuple[int, int, int]], window: int,
+              prefill: bool = False) -> ragged.Layout:
+    """The call's layout at the narrowest width that holds its slots and rows."""
+    tokens = sum(rs + w - 1 for _, rs, w in spans)
+    width = self._fit(tokens, len(spans), window, prefill)
+    if width is None:
+      raise ValueError(f"{len(spans)} rows of {tokens} slots exceed the widest call.")
+    return ragged.layout(self.max_batch, spans, width, *self._shape(width, window, prefill))
+
+  def _fit(self, tokens: int, rows: int, window: int, prefill: bool = False) -> int | None:
+    """The narrowest width whose call holds `tokens` slots of `rows` rows (None: none)."""
+    return next((w for w in self.widths if w >= tokens
+                 and self._shape(w, window, prefill)[0] >= rows), None)
 
   def _run(self, layout: ragged.Layout, window: int, auto: int, steps: int, mode: Mode,
            stop_on_finish: bool) -> None:
@@ -366,7 +419,7 @@ class Server(DenseServer):
     for row in prefilling:
       r = self.rows[row]
       w = self._row_window(r.request, auto)
-      chunk = min(len(r.request.prompt) - r.prefilled, budget - (w - 1))
+      chunk = min(len(r.request.prompt) - r.prefilled, budget - (w - 1), self.prefill_chunk)
       if chunk < 1:
         continue
       spans_a.append((row, chunk, w))
@@ -404,7 +457,8 @@ class Server(DenseServer):
     steps = self.admit_steps if self.active < self.max_batch else self.policy.round_steps
     self.window = auto
     if spans_a:
-      self._run(self._layout(spans_a, self.max_window), self.max_window, auto, 1, mode, False)
+      self._run(self._layout(spans_a, self.max_window, prefill=True), self.max_window, auto,
+                1, mode, False)
       self.forward_tokens += sum(rs + w - 1 for _, rs, w in spans_a)
       steps -= 1
     if spans_b and steps > 0:
@@ -422,23 +476,29 @@ class Server(DenseServer):
 
   # ---- warmup and costs -------------------------------------------------------------
 
-  def _measure(self, width: int, cache_len: int, window: int) -> float:
-    """Seconds of one decoding step at flat width `width` and W = window: as many rows
-    as the width holds at 2W - 1 slots, each at a context of min(max_len / 2, 256)."""
-    rows = min(self.max_batch, max(width // (2 * window - 1), 1))
+  def _measure(self, width: int, window: int) -> float:
+    """Seconds of one decoding step at flat width `width` and W = window (best of 3): as
+    many rows as the call holds at 2W - 1 slots, each at a context of min(max_len / 2,
+    256). On the server's own state while no request runs (its rows are stopped and
+    their page lists cleared after), else on a second state of the same shapes."""
+    shape = self._shape(width, window, False)
+    rows = min(shape[0], max(width // (2 * window - 1), 1))
     context = min(self.max_len // 2, 256)
-    state = self._new_state(self.max_batch)
     pages = min(math.ceil((context + 2 * window) / self.page_size), self.num_pages - 1)
     entries = [(r, c, 1 + c) for r in range(rows) for c in range(pages)]
     new = batching.bucket([[0] * context] * rows, self.max_batch, max_new_tokens=1 << 20,
                           width=self._insert_width(context), stop_width=self.max_stop_ids)
-    state = self.call(loop.insert, state, np.arange(self.max_batch, dtype=np.int32),
-                      new.prompt, new.prompt_len, new.max_new_tokens, new.controls,
-                      np.full((self.max_batch,), context - 1, np.int32))
-    saved, self.state, self._table = self.state, state, entries
+    own = not self.rows
+    saved, table = self.state, self._table
+    self.state = self.call(loop.insert, self.state if own else self._new_state(self.max_batch),
+                           np.arange(self.max_batch, dtype=np.int32), new.prompt,
+                           new.prompt_len, new.max_new_tokens, new.controls,
+                           np.full((self.max_batch,), context - 1, np.int32))
+    self._table = entries
     try:
       self._send_table()
-      layout = self._layout([(r, window, window) for r in range(rows)], window)
+      layout = ragged.layout(self.max_batch, [(r, window, window) for r in range(rows)],
+                             width, *shape)
       best = float("inf")
       for _ in range(3):
         begin = time.perf_counter()
@@ -447,8 +507,26 @@ class Server(DenseServer):
         jax.block_until_ready(self.state.length)
         best = min(best, time.perf_counter() - begin)
     finally:
-      self.state, self._table = saved, []
+      if own:
+        b = self.max_batch
+        self.state = self.call(loop.stop, self.state, np.ones((b,), bool),
+                               np.zeros((b,), np.int32))
+        self._table = [(r, c, 0) for r, c, _ in entries]
+        self._send_table()
+      else:
+        self.state = saved
+      self._table = table
     return best
+
+  def variants(self) -> list[tuple[int, int, bool]]:
+    """(width, W, prefill) of every call a round can make: decoding calls at each W, from
+    one row to max_num_seqs rows (or the token budget); prefill calls at max_window, from
+    one short prompt beside one decoding row to the budget."""
+    decoding = {(self._fit(n * (2 * w - 1), n, w), w, False) for w in self.windows
+                for n in range(1, self.max_batch + 1)}
+    smallest = self._fit(2 * self.max_window, 2, self.max_window, True)
+    prefill = {(width, self.max_window, True) for width in self.widths if width >= smallest}
+    return sorted(v for v in decoding | prefill if v[0] is not None)
 
   def warmup(self, prompt_len: int | None = None) -> None:
     """Compiles every variant `step` can meet with prompts of up to `prompt_len` tokens
@@ -456,9 +534,9 @@ class Server(DenseServer):
     width, window and kernel mode, the harvest, stop and page-table calls; a
     `WindowPolicy` also times the decoding step at each width and window. The server's
     state and requests are left as they were."""
+    if self.rows or self.queue:
+      raise ValueError("warmup runs on a server with no request.")
     prompt_len = min(prompt_len or self.max_len - 1, self.max_len - 1)
-    saved = self.state
-    self.state = self._new_state(self.max_batch)
     b = self.max_batch
     for p in [w for w in self.prompt_widths
               if w < prompt_len or w == min(v for v in self.prompt_widths if v >= prompt_len)]:
@@ -471,17 +549,14 @@ class Server(DenseServer):
     self._send_table()
     modes = ["lossless"] if self.mode == "lossless" else ["gated", "lossless"]
     for mode in modes:
-      for width in self.widths:
-        for window in self.windows:
-          tiles, tq = self._tiles(width, window)
-          layout = ragged.layout(b, [], width, tiles, tq)
-          self._run(layout, window, window, 1, mode, False)
+      for width, window, prefill in self.variants():
+        layout = ragged.layout(b, [], width, *self._shape(width, window, prefill))
+        self._run(layout, window, window, 1, mode, False)
     got = self.call(loop.harvest, self.state, self.call(loop.copy_lengths, self.state.length),
                     width=self.harvest_width)
-    self.state = self.call(loop.stop, self.state, np.zeros((b,), bool), np.zeros((b,), np.int32))
+    self.state = self.call(loop.stop, self.state, np.ones((b,), bool), np.zeros((b,), np.int32))
     jax.block_until_ready((got, self.state))
-    self.state = saved
     if isinstance(self.policy, WindowPolicy):   # the widths decoding rounds meet
-      for width in sorted({self._width(min(self.max_tokens, n * (2 * w - 1)))
-                           for w in self.windows for n in range(1, self.max_batch + 1)}):
-        self.policy.calibrate(width, self.max_len, self._measure)
+      for width, window, prefill in self.variants():
+        if not prefill:
+          self._cost(width, window)

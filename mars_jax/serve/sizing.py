@@ -1,8 +1,14 @@
-"""The server's default batch: rows sized from the device's free memory, as vLLM sizes its
-KV cache by --gpu-memory-utilization and caps it by --max-num-seqs.
+"""The server's KV memory, sized from the device's free memory as vLLM sizes its KV cache
+by --gpu-memory-utilization.
 
-  rows, reason = default_rows(config, runtime, max_len=516, window=5, prefill_chunk=64,
-                              utilization=0.9)
+The ragged engine's pool (`pool_pages`): pages = (the budget - the widest step's
+temporaries as XLA compiled them - the state besides the pool) / a page's bytes, at most
+what max_num_seqs rows of max_len need:
+
+  pages, reason = pool_pages(temporaries, state_bytes, page_bytes, rows=256,
+                             pages_per_row=256, utilization=0.9)
+
+The dense server (a drafter or a mesh: `default_rows`) sizes rows of max_len instead:
 
 A row costs its share of the decoding state at max_len slots (the KV cache, the token
 and forward-number buffers, its controls: `loop.new_state`'s shapes) plus the work of
@@ -76,3 +82,26 @@ def default_rows(config: Qwen2Config, runtime: Runtime, *, max_len: int, window:
   return rows, (f"{rows} rows: {per_row / 2**20:.2f} MiB a row at --max-len {max_len}, "
                 f"{room / 2**30:.2f} GiB for the batch ({source}) holds {fits}"
                 + (f", capped at {MAX_ROWS}" if fits > MAX_ROWS else ""))
+
+
+def pool_pages(temporaries: int, state_bytes: int, page_bytes: int, *, rows: int,
+               pages_per_row: int, utilization: float, devices=None) -> tuple[int, str]:
+  """-> (pages of the pool, the reason, for the log): what the budget holds once the
+  widest step's temporaries and the state besides the pool are counted, at most rows x
+  pages_per_row (+ the trash page). Raises ValueError when one row of pages does not fit."""
+  room, source = budget(utilization, devices)
+  left = room - temporaries - state_bytes
+  fits = left // page_bytes
+  cap = rows * pages_per_row + 1
+  if fits < pages_per_row + 1:
+    raise ValueError(f"the KV pool cannot hold one row ({pages_per_row} pages of "
+                     f"{page_bytes / 2**10:.0f} KiB) in {source} less the step's "
+                     f"{temporaries / 2**20:.0f} MiB of temporaries and the state's "
+                     f"{state_bytes / 2**20:.0f} MiB; lower --max-len or raise "
+                     "--memory-utilization.")
+  pages = min(fits, cap)
+  return pages, (f"{pages} pages of {page_bytes / 2**10:.0f} KiB ({pages * page_bytes / 2**30:.2f}"
+                 f" GiB): {source}, less the widest step's {temporaries / 2**20:.0f} MiB of "
+                 f"temporaries (XLA's memory analysis) and the state's {state_bytes / 2**20:.0f}"
+                 f" MiB besides the pool, holds {fits}"
+                 + (f", capped at {cap} ({rows} rows of {pages_per_row})" if fits > cap else ""))

@@ -38,7 +38,7 @@ from flax import struct
 from mars_jax.models.config import Qwen2Config
 
 Array = jax.Array
-BLOCK_SLOTS = 64   # pool slots a block of the attention loop reads per tile (>= page_size)
+BLOCK_SLOTS = 128   # pool slots a block of the attention loop reads per tile (>= page_size)
 
 
 @struct.dataclass

@@ -195,7 +195,6 @@ def main(argv=None) -> None:
     if value is not None and value < 1:
       p.error(f"--{flag.replace('_', '-')}={value}; it must be >= 1 (leave it out for the "
               "default).")
-  args.batch_size = args.max_num_seqs
   if not 0 < args.memory_utilization <= 1:
     p.error(f"--memory-utilization={args.memory_utilization}; expected a share in (0, 1].")
   if args.max_queued < 0:

@@ -80,7 +80,7 @@ def build_server(args, cache: str | None = None):
   warn_untrained_windows(args.model, [max(largest, max_window)])
   context = min(model.config.max_position_embeddings, DEFAULT_MAX_CONTEXT)
   max_len = args.max_len or context + extra
-  batch_size = args.batch_size
+  batch_size = args.max_num_seqs
   ragged = drafter is None and model.mesh is None
   pages = args.num_kv_pages
   chunk = args.prefill_chunk or DENSE_PREFILL_CHUNK

@@ -21,8 +21,8 @@ The requests, their checks, updates and completions are `DenseServer`'s (`submit
             decoding row adds its 2W - 1 slots (W its own: a fixed window, or the
             policy's for "auto"), and new prompts add chunks in the same forward, which
             runs one step; a round with no prompt to prefill runs round_steps steps on
-            the device (admit_steps while a row is free), ending early when a row
-            finishes and requests wait;
+            the device, ending early when a row finishes and requests wait (a request
+            that arrives meanwhile starts at the next round);
   window    "auto" rows run at the W with the best expected rate: the policy's
             acceptance over the measured cost of the real step (its flat width at each W,
             `WindowPolicy` keyed by that width), W = 1 always a candidate;
@@ -52,7 +52,8 @@ from mars_jax.serve.dense import DenseServer
 from mars_jax.serve.requests import Request, Round, Stream, Update
 
 TILE = 8                  # query slots of a tile (`paged.Tiles`) in a call with W > 1
-MIN_WIDTH = 8             # the narrowest flat batch
+FEW_SLOTS = 16            # a "few rows" prefill call: a row per FEW_SLOTS slots at most
+MIN_WIDTH = 1             # the narrowest flat batch
 DEFAULT_PAGE_SIZE = 16
 
 
@@ -62,14 +63,16 @@ def default_batched_tokens(rows: int, window: int, prefill_chunk: int) -> int:
   return batching.pow2(max(2048, prefill_chunk, rows * (2 * window - 1)))
 
 
-def call_shape(max_rows: int, width: int, window: int, prefill: bool) -> tuple[int, int, int]:
-  """(rows, tiles, tile width) of a call `width` slots wide: rows, at most the width over
-  a row's 2W - 1 slots in a decoding call (the width of a prefill call, where a row may
-  take one slot), and max_rows; a decoding call at W = 1 one slot a tile, else TILE (a
-  prompt chunk's queries share their row's pages)."""
-  rows = min(max_rows, width if prefill or window == 1
-             else batching.pow2(-(-width // (2 * window - 1))))
-  tq = 1 if window == 1 and not prefill else TILE
+def call_shape(max_rows: int, width: int, window: int, kind: str) -> tuple[int, int, int]:
+  """(rows, tiles, tile width) of a call `width` slots wide. kind: "decode", a decoding
+  call (rows: the width over a row's 2W - 1 slots); "few", a prefill call of at most one
+  row a FEW_SLOTS slots; "many", a prefill call of up to a row a slot. At most max_rows
+  rows. A decoding call at W = 1 takes one slot a tile, the others TILE (a prompt
+  chunk's queries share their row's pages)."""
+  rows = {"decode": width if window == 1 else batching.pow2(-(-width // (2 * window - 1))),
+          "few": max(width // FEW_SLOTS, 1), "many": width}[kind]
+  rows = min(max_rows, rows)
+  tq = 1 if window == 1 and kind == "decode" else TILE
   return rows, min(width, rows + width // tq), tq
 
 
@@ -81,7 +84,7 @@ def step_bytes(config: Qwen2Config, params, *, rows: int, max_len: int, page_siz
   a page's bytes). Lowered and compiled, never run."""
   state = jax.eval_shape(lambda: ragged.new_state(config, rows, max_len, 2, page_size,
                                                   runtime=runtime))
-  layout = ragged.layout(rows, [], width, *call_shape(rows, width, window, True))
+  layout = ragged.layout(rows, [], width, *call_shape(rows, width, window, "many"))
   compiled = ragged.run_steps.lower(
       config, params, state, layout, np.zeros((8,), np.int32), np.int32(0), np.int32(1),
       np.int32(1), np.bool_(False), window=window, mode=mode, runtime=runtime).compile()
@@ -108,8 +111,8 @@ class Server(DenseServer):
   max_num_batched_tokens: the flat batch's tokens at most (`default_batched_tokens`);
   prefill_chunk: the prompt tokens a row prefills in one step at most (a longer prompt,
   or one the budget has no room for, takes several); page_size; num_pages: the pool (default: batch_size rows of max_len,
-  plus the trash page); prefix_caching. min_batch_size and admit_steps keep their
-  meaning where they have one (admit_steps); min_batch_size is accepted and unused."""
+  plus the trash page); prefix_caching. min_batch_size and admit_steps are the dense
+  server's (batch buckets, short rounds while a row is free): accepted and unused."""
 
   def __new__(cls, config: Qwen2Config, params, **kwargs):
     if kwargs.get("drafter") is not None or kwargs.get("mesh") is not None:
@@ -337,9 +340,10 @@ class Server(DenseServer):
     for w in self.policy.windows:
       call_w = self._call_window(max([w] + [self.rows[r].request.controls["window"]
                                             for r in decoding]))
-      width = self._fit(fixed + len(auto) * (2 * w - 1), len(decoding), call_w)
-      if width is None:
+      fit = self._fit(fixed + len(auto) * (2 * w - 1), len(decoding), call_w, ("decode",))
+      if fit is None:
         continue
+      width = fit[0]
       seconds = self._cost(width, call_w)
       rate = len(auto) * self.policy.stats.tokens_per_forward(w) / seconds
       if best_rate is None or rate > best_rate:
@@ -357,27 +361,29 @@ class Server(DenseServer):
   def _call_window(self, largest: int) -> int:
     return min(w for w in self.windows if w >= largest)
 
-  def _shape(self, width: int, window: int, prefill: bool) -> tuple[int, int, int]:
-    return call_shape(self.max_batch, width, window, prefill)
-
   def _layout(self, spans: list[tuple[int, int, int]], window: int,
               prefill: bool = False) -> ragged.Layout:
-    """The call's layout at the narrowest width that holds its slots and rows."""
+    """The call's layout at the narrowest width (and fewest rows) that holds its spans."""
     tokens = sum(rs + w - 1 for _, rs, w in spans)
-    width = self._fit(tokens, len(spans), window, prefill)
-    if width is None:
+    fit = self._fit(tokens, len(spans), window, ("few", "many") if prefill else ("decode",))
+    if fit is None:
       raise ValueError(f"{len(spans)} rows of {tokens} slots exceed the widest call.")
-    return ragged.layout(self.max_batch, spans, width, *self._shape(width, window, prefill))
+    width, kind = fit
+    return ragged.layout(self.max_batch, spans, width,
+                         *call_shape(self.max_batch, width, window, kind))
 
-  def _fit(self, tokens: int, rows: int, window: int, prefill: bool = False) -> int | None:
-    """The narrowest width whose call holds `tokens` slots of `rows` rows (None: none)."""
-    return next((w for w in self.widths if w >= tokens
-                 and self._shape(w, window, prefill)[0] >= rows), None)
+  def _fit(self, tokens: int, rows: int, window: int, kinds: tuple[str, ...]
+           ) -> tuple[int, str] | None:
+    """The narrowest (width, kind) of `kinds` whose call holds `tokens` slots of `rows`
+    rows (None: none)."""
+    return next(((w, k) for w in self.widths for k in kinds if w >= tokens
+                 and call_shape(self.max_batch, w, window, k)[0] >= rows), None)
 
   def _run(self, layout: ragged.Layout, window: int, auto: int, steps: int, mode: Mode,
-           stop_on_finish: bool) -> None:
+           stop_on_finish: bool, eos_ids: np.ndarray | None = None) -> None:
     self.state = self.call(ragged.run_steps, self.config, self.params, self.state, layout,
-                           self.eos_ids, np.int32(self.mask_token_id), np.int32(auto),
+                           self.eos_ids if eos_ids is None else eos_ids,
+                           np.int32(self.mask_token_id), np.int32(auto),
                            np.int32(steps), np.bool_(stop_on_finish), window=window,
                            mode=mode, runtime=self.runtime)
 
@@ -454,7 +460,7 @@ class Server(DenseServer):
     since = self.call(loop.copy_lengths, self.state.length)
     live = [self.rows[row].request.controls for row, _, _ in spans_a + spans_b]
     mode = self._kernel_mode(live)
-    steps = self.admit_steps if self.active < self.max_batch else self.policy.round_steps
+    steps = self.policy.round_steps
     self.window = auto
     if spans_a:
       self._run(self._layout(spans_a, self.max_window, prefill=True), self.max_window, auto,
@@ -477,17 +483,22 @@ class Server(DenseServer):
   # ---- warmup and costs -------------------------------------------------------------
 
   def _measure(self, width: int, window: int) -> float:
-    """Seconds of one decoding step at flat width `width` and W = window (best of 3): as
-    many rows as the call holds at 2W - 1 slots, each at a context of min(max_len / 2,
-    256). On the server's own state while no request runs (its rows are stopped and
-    their page lists cleared after), else on a second state of the same shapes."""
-    shape = self._shape(width, window, False)
+    """Seconds of a decoding step at flat width `width` and W = window, as a round runs
+    it (a call of round_steps steps, best of 3, over its steps): as many rows as the call
+    holds at 2W - 1 slots, each at a context of min(max_len / 2, 256), none ending (no
+    end token). On the server's own state while no request runs (its rows are stopped
+    and their page lists cleared after), else on a second state of the same shapes."""
+    shape = call_shape(self.max_batch, width, window, "decode")
     rows = min(shape[0], max(width // (2 * window - 1), 1))
     context = min(self.max_len // 2, 256)
-    pages = min(math.ceil((context + 2 * window) / self.page_size), self.num_pages - 1)
+    steps = self.policy.round_steps
+    pages = min(math.ceil((context + (steps + 2) * window) / self.page_size),
+                self.num_pages - 1)
     entries = [(r, c, 1 + c) for r in range(rows) for c in range(pages)]
     new = batching.bucket([[0] * context] * rows, self.max_batch, max_new_tokens=1 << 20,
-                          width=self._insert_width(context), stop_width=self.max_stop_ids)
+                          width=self._insert_width(context), stop_width=self.max_stop_ids,
+                          lossless=self.mode == "lossless")
+    no_end = np.full_like(self.eos_ids, -1)
     own = not self.rows
     saved, table = self.state, self._table
     self.state = self.call(loop.insert, self.state if own else self._new_state(self.max_batch),
@@ -502,10 +513,9 @@ class Server(DenseServer):
       best = float("inf")
       for _ in range(3):
         begin = time.perf_counter()
-        self._run(layout, window, window, 1, "lossless" if self.mode == "lossless"
-                  else "gated", False)
+        self._run(layout, window, window, steps, self.mode, False, no_end)
         jax.block_until_ready(self.state.length)
-        best = min(best, time.perf_counter() - begin)
+        best = min(best, (time.perf_counter() - begin) / steps)
     finally:
       if own:
         b = self.max_batch
@@ -518,15 +528,23 @@ class Server(DenseServer):
       self._table = table
     return best
 
-  def variants(self) -> list[tuple[int, int, bool]]:
-    """(width, W, prefill) of every call a round can make: decoding calls at each W, from
-    one row to max_num_seqs rows (or the token budget); prefill calls at max_window, from
-    one short prompt beside one decoding row to the budget."""
-    decoding = {(self._fit(n * (2 * w - 1), n, w), w, False) for w in self.windows
-                for n in range(1, self.max_batch + 1)}
-    smallest = self._fit(2 * self.max_window, 2, self.max_window, True)
-    prefill = {(width, self.max_window, True) for width in self.widths if width >= smallest}
-    return sorted(v for v in decoding | prefill if v[0] is not None)
+  def variants(self) -> list[tuple[int, int, str]]:
+    """(width, W, kind) of every call a round can make (`call_shape`): decoding calls at
+    each W, from one row to max_num_seqs rows (or the token budget); prefill calls at
+    max_window, few rows or many, from one short prompt beside one decoding row to the
+    budget."""
+    decoding = {self._fit(n * (2 * w - 1), n, w, ("decode",)) + (w,) for w in self.windows
+                for n in range(1, self.max_batch + 1)
+                if self._fit(n * (2 * w - 1), n, w, ("decode",))}
+    smallest = self._fit(2 * self.max_window, 2, self.max_window, ("few", "many"))[0]
+    prefill, shapes = set(), set()
+    for width in self.widths:
+      for kind in ("few", "many"):
+        shape = call_shape(self.max_batch, width, self.max_window, kind)
+        if width >= smallest and (width, shape) not in shapes:
+          shapes.add((width, shape))
+          prefill.add((width, kind, self.max_window))
+    return sorted((width, w, kind) for width, kind, w in decoding | prefill)
 
   def warmup(self, prompt_len: int | None = None) -> None:
     """Compiles every variant `step` can meet with prompts of up to `prompt_len` tokens
@@ -549,14 +567,14 @@ class Server(DenseServer):
     self._send_table()
     modes = ["lossless"] if self.mode == "lossless" else ["gated", "lossless"]
     for mode in modes:
-      for width, window, prefill in self.variants():
-        layout = ragged.layout(b, [], width, *self._shape(width, window, prefill))
+      for width, window, kind in self.variants():
+        layout = ragged.layout(b, [], width, *call_shape(b, width, window, kind))
         self._run(layout, window, window, 1, mode, False)
     got = self.call(loop.harvest, self.state, self.call(loop.copy_lengths, self.state.length),
                     width=self.harvest_width)
     self.state = self.call(loop.stop, self.state, np.ones((b,), bool), np.zeros((b,), np.int32))
     jax.block_until_ready((got, self.state))
     if isinstance(self.policy, WindowPolicy):   # the widths decoding rounds meet
-      for width, window, prefill in self.variants():
-        if not prefill:
+      for width, window, kind in self.variants():
+        if kind == "decode":
           self._cost(width, window)

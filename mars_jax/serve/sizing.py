@@ -84,12 +84,20 @@ def default_rows(config: Qwen2Config, runtime: Runtime, *, max_len: int, window:
                 + (f", capped at {MAX_ROWS}" if fits > MAX_ROWS else ""))
 
 
+CPU_POOL_BYTES = 4 << 30   # the CPU backend's pool at most (vLLM CPU's default KV space)
+
+
 def pool_pages(temporaries: int, state_bytes: int, page_bytes: int, *, rows: int,
                pages_per_row: int, utilization: float, devices=None) -> tuple[int, str]:
   """-> (pages of the pool, the reason, for the log): what the budget holds once the
   widest step's temporaries and the state besides the pool are counted, at most rows x
-  pages_per_row (+ the trash page). Raises ValueError when one row of pages does not fit."""
+  pages_per_row (+ the trash page); on the CPU backend (host memory, shared with
+  everything else) at most CPU_POOL_BYTES. Raises ValueError when one row of pages does
+  not fit."""
   room, source = budget(utilization, devices)
+  if "on the host" in source and room - temporaries - state_bytes > CPU_POOL_BYTES:
+    room = CPU_POOL_BYTES + temporaries + state_bytes
+    source += f", at most {CPU_POOL_BYTES / 2**30:.0f} GiB of pool on the CPU backend"
   left = room - temporaries - state_bytes
   fits = left // page_bytes
   cap = rows * pages_per_row + 1

@@ -88,6 +88,8 @@ KINDS = [("gated", 1, 1.0, 0.0, 0, ()), ("lossless", 3, 1.0, 0.0, 0, ()),
          ("lossless", 4, 1.0, 0.0, 0, (11,))]
 
 
+@pytest.mark.e2e   # ~80 s of compiling `generate`'s references; the default suite runs the
+# continuous-batching equivalences of tests/test_sampling_ext.py on this engine
 def test_server_equals_generate_alone_under_arrivals_cancels_prefix_hits_and_preemption(model):
   """Requests of every kind arrive while others decode, some cancelled, many sharing
   prefixes (a prefix-cache hit starts their prefill past the shared pages), on a pool
@@ -127,14 +129,17 @@ def test_server_equals_generate_alone_under_arrivals_cancels_prefix_hits_and_pre
       assert done[rid].tokens == _alone(config, params, prompt, budget, kind), (rid, kind)
 
 
-def test_every_page_is_freed_however_a_request_ends_and_the_pool_recovers(model):
+def _small_server(config, params):
+  return serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
+                      batch_size=8, max_len=48, window=2, prefill_chunk=16, round_steps=2,
+                      page_size=4, max_num_batched_tokens=64)
+
+
+def test_every_page_is_freed_however_a_request_ends(model):
   """Finished, cut by a stop id, cancelled while queued or running, dropped by a reset
-  (a failed round): the pool is full again each time; after 10,000 one-token requests it
-  is full too, and its prefix cache holds what they shared."""
+  (a failed round): the pool is full again each time."""
   config, params = model
-  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
-                        batch_size=8, max_len=48, window=2, prefill_chunk=16, round_steps=2,
-                        page_size=4, max_num_batched_tokens=64)
+  server = _small_server(config, params)
   full = server.pool.num_pages - 1
   a = server.submit(list(range(1, 12)), max_new_tokens=20)
   b = server.submit(list(range(3, 9)), max_new_tokens=20, stop_token_ids=[0, 1, 2, 3, 4, 5])
@@ -151,6 +156,14 @@ def test_every_page_is_freed_however_a_request_ends_and_the_pool_recovers(model)
   server.reset()
   assert server.pool.free == full and server.pool.cached == 0
   server.run()
+  assert server.pool.free == full
+
+
+@pytest.mark.e2e   # ~30 s
+def test_after_10000_requests_the_pool_is_full_and_holds_the_shared_prefix(model):
+  config, params = model
+  server = _small_server(config, params)
+  full = server.pool.num_pages - 1
   rng = np.random.default_rng(2)
   prefix = list(range(40, 52))
   for i in range(10_000):

@@ -3,8 +3,9 @@ closed-loop load of streamed chats, sent by the official `openai` client; what `
 serve` reports.
 
   python -m mars_jax.bench serve [--model HF_DIR] [--concurrency 1,4,16,64,256]
-      [--duration-s 25] [--warm-s 10] [--client-procs 2] [--peer transformers,vllm|none]
-      [--vllm-venv DIR] [--out bench_serve.json] [--plot bench_serve.png]
+      [--duration-s 25] [--warm-s 10] [--client-procs 2] [--system-prompt-tokens N]
+      [--peer transformers,vllm|none] [--vllm-venv DIR] [--out bench_serve.json]
+      [--plot bench_serve.png]
 
 Model: --model, an HF directory, or else the embedded default (`python -m mars_jax.train
 --config configs/tiny.py --workdir WORK/tiny`, which exports WORK/tiny/hf), trained once
@@ -160,6 +161,20 @@ def prompt_set(model_dir: str, kind: str, count: int = 256) -> tuple[str, list[l
               if k in task["synthetic"]}
   problems = synthetic.generate(count, split="test", **settings)
   return kind, [[{"role": "user", "content": p["question"]}] for p in problems]
+
+
+SYSTEM_SENTENCE = ("You are a careful assistant. Answer the question that follows in as "
+                   "few words as it needs, and check every number twice. ")
+
+
+def with_system_prompt(chats: list, model_dir: str, tokens: int) -> list:
+  """Each chat with one shared system message of at least `tokens` tokens (a sentence
+  repeated, counted by the model's tokenizer): what a prefix cache saves."""
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  tokenizer = AutoTokenizer.from_pretrained(model_dir)
+  per = len(tokenizer(SYSTEM_SENTENCE).input_ids)
+  text = SYSTEM_SENTENCE * -(-tokens // per)
+  return [[{"role": "system", "content": text}, *chat] for chat in chats]
 
 
 # ---- clients (run in spawned processes) ----------------------------------------------
@@ -493,10 +508,13 @@ def run(args) -> dict:
   model_dir = os.path.abspath(args.model or default_model(args.work_dir))
   os.makedirs(args.work_dir, exist_ok=True)
   prompts, chats = prompt_set(model_dir, args.prompts)
+  if args.system_prompt_tokens:
+    chats = with_system_prompt(chats, model_dir, args.system_prompt_tokens)
   ns = _ints(args.concurrency)
   local = ns if args.in_process == "all" else [n for n in _ints(args.in_process) if n in ns]
   kinds = [*OURS, *peers]
   result = {"model_dir": model_dir, "prompts": prompts, "concurrency": ns,
+            "system_prompt_tokens": args.system_prompt_tokens,
             **{k: getattr(args, k) for k in ("max_tokens", "duration_s", "warm_s",
                                               "client_procs", "batch_size", "windows",
                                               "max_len", "server_args", "peer_device")},
@@ -527,6 +545,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--duration-s", type=float, default=25.0, help="timed pass per N")
   p.add_argument("--warm-s", type=float, default=10.0, help="untimed pass per N, before it")
   p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--system-prompt-tokens", type=int, default=0,
+                 help="a system message of this many tokens, the same in every chat (what "
+                      "a prefix cache reuses; 0: none)")
   p.add_argument("--client-procs", type=int, default=2, help="client processes")
   p.add_argument("--batch-size", type=int, default=0,
                  help="our server's --batch-size (default: the server's, from the free "

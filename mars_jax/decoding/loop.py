@@ -361,8 +361,8 @@ def new_state(config: Qwen2Config, batch: int, cache_len: int, *,
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh",))
 def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
-           max_new_tokens: Array, controls: Controls, start: Array | None = None, *,
-           mesh: Mesh | None = None) -> DecodeState:
+           max_new_tokens: Array, controls: Controls, start: Array | None = None,
+           forwards: Array | None = None, *, mesh: Mesh | None = None) -> DecodeState:
   """Starts new samples in rows of a state, leaving the other rows as they are.
 
   rows: int32[k] (entries >= b are ignored); prompt: int32[k, P] right-padded;
@@ -370,7 +370,8 @@ def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
   controls: `Controls` of k rows (stop ids as wide as the state's). The rows' old K/V
   stay in the cache: a query at position p reads slots <= p only, and the new
   sample's forwards write them first. start: int32[k], the prompt tokens whose K/V the
-  cache holds already (a prefix cache's hit; None: none).
+  cache holds already (a prefix cache's hit; None: none); forwards: int32[k], the
+  forwards the samples count from (a preempted request resumed; None: 0).
   """
   def put(field, value):
     return field.at[rows].set(value.astype(field.dtype), mode="drop")
@@ -384,7 +385,8 @@ def insert(state: DecodeState, rows: Array, prompt: Array, prompt_len: Array,
         draft=put(state.draft, zeros), prompt_len=put(state.prompt_len, prompt_len),
         limit=put(state.limit, prompt_len + max_new_tokens),
         controls=jax.tree.map(put, state.controls, controls),
-        done=put(state.done, max_new_tokens <= 0), forwards=put(state.forwards, zeros)))
+        done=put(state.done, max_new_tokens <= 0),
+        forwards=put(state.forwards, zeros if forwards is None else forwards)))
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("mesh",))

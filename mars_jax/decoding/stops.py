@@ -168,6 +168,14 @@ class StopScan:
         scan.stopped[new], scan.text[new] = self.stopped[old], self.text[old]
     return scan
 
+  def snapshot(self, row: int) -> tuple:
+    """A row's scan as it is (its stops, checked, stopped, text), for `restore`."""
+    return self.stops[row], self.checked[row], self.stopped[row], self.text[row]
+
+  def restore(self, row: int, snapshot: tuple) -> None:
+    """A row goes on with a scan `snapshot` took (a preempted request resumed)."""
+    self.stops[row], self.checked[row], self.stopped[row], self.text[row] = snapshot
+
   def push(self, row: int, tokens: Sequence[int]) -> int | None:
     """The row's next tokens (those after its `checked` ones) -> how many of all its
     tokens to keep when one of them completes a stop string (the row is then

@@ -15,8 +15,8 @@ layers carry, in place), then every query attends the pool slots of its own row 
 positions <= its own:
 
   query tiles   the flat tokens regrouped into tiles of `tq` slots, each tile one row's
-                (`Tiles`: a decoding row of 2W - 1 slots is one tile; a prefill chunk
-                several); a tile's queries share its row's page list;
+                (`Tiles`: a row's span takes ceil(span / tq) tiles; the engine's tq is 1
+                at W = 1 and 8 otherwise); a tile's queries share its row's page list;
   page blocks   a `fori_loop` over the row's logical pages, `block` pages at a time, up
                 to the last page that any query of the step may see (a traced bound: no
                 compile per context length); each block is gathered for every tile at

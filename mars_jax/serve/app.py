@@ -135,6 +135,8 @@ def metrics_text(engine: Engine, model_name: str, drafter: bool) -> str:
     metric("forward_tokens_total", "counter", "Tokens the forwards ran in their flat "
            "batches (padding excluded).", [(label, m.forward_tokens)])
     metric("kv_cache_pages", "gauge", "Pages of the KV pool.", [(label, m.kv_pages)])
+    metric("preemptions_total", "counter", "Requests preempted for want of KV pages "
+           "(resumed where they were).", [(label, m.preemptions)])
     metric("kv_cache_pages_used", "gauge", "Pages of the KV pool that requests hold.",
            [(label, m.kv_pages_used)])
     metric("kv_cache_pages_cached", "gauge", "Pages of the KV pool that hold a prefix-cache "

@@ -481,7 +481,8 @@ class DenseServer:
       k = self.scan.push(here, new)
       if k is not None:  # a stop string: keep k tokens, count forwards up to the k-th
         new = new[:k - len(stream.tokens)]
-        forwards, done, cut[here], keep[here] = int(got.born[row, len(new) - 1]), True, True, k
+        forwards, done, cut[here] = int(got.born[row, len(new) - 1]), True, True
+        keep[here] = k - self._requests[rid].resumed   # the device's tokens of this row
       tokens_seen += len(new)
       forwards_seen += forwards - stream.forwards
       stream.tokens += new

@@ -109,6 +109,7 @@ class Metrics:
   batch: int = 0              # the batch bucket of the last round
   compiles_after_ready: int = 0
   forward_tokens: int = 0     # flat-batch tokens the forwards ran (the ragged engine)
+  preemptions: int = 0        # rows preempted for want of pages (resumed later)
   kv_pages_used: int = 0      # pool pages held by requests now
   kv_pages_cached: int = 0    # pool pages holding a prefix-cache entry now
   kv_pages: int = 0           # pool pages in all
@@ -253,7 +254,7 @@ class _Core:
     m.running, m.queued = server.active, len(server.queue)
     pool = getattr(server, "pool", None)
     if pool is not None:
-      m.forward_tokens = server.forward_tokens
+      m.forward_tokens, m.preemptions = server.forward_tokens, server.preemptions
       m.kv_pages_used, m.kv_pages_cached = pool.in_use, pool.cached
       m.kv_pages = pool.num_pages - pool.reserved
       m.prefix_query_tokens, m.prefix_hit_tokens = pool.query_tokens, pool.hit_tokens

@@ -16,12 +16,15 @@ from mars_jax.decoding import loop
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """A queued request: its prompt, budget, `sampling.generate` controls and stops."""
+  """A queued request: its prompt, budget, `sampling.generate` controls and stops;
+  resumed: the tokens it had generated when it was preempted, now the end of its prompt
+  (and out of its budget), which its stream already holds (0: never preempted)."""
   request_id: int
   prompt: tuple[int, ...]
   max_new_tokens: int
   controls: dict
   stop: tuple[str, ...]
+  resumed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

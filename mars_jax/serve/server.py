@@ -45,7 +45,8 @@ import jax
 import numpy as np
 
 from mars_jax.core.choices import Metric, Mode
-from mars_jax.decoding import batching, loop, pages as pages_lib, programs as programs_lib, ragged
+from mars_jax.decoding import (batching, loop, pages as pages_lib, programs as programs_lib,
+                               ragged, stops)
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.serve.dense import DenseServer
@@ -96,8 +97,9 @@ def step_bytes(config: Qwen2Config, params, *, rows: int, max_len: int, page_siz
 
 @dataclasses.dataclass
 class Row:
-  """A running request's row: its pages (in order), prompt tokens whose K/V are written
-  (the host's count while it prefills), its request."""
+  """A running request's row: its pages (in order), its prompt tokens whose K/V are
+  written by the calls dispatched so far (advanced when a chunk is planned), its
+  request."""
   request: Request
   pages: list[int]
   prefilled: int
@@ -143,20 +145,23 @@ class Server(DenseServer):
                      tokenizer=tokenizer, max_stop_ids=max_stop_ids, max_window=max_window,
                      programs=programs, overlap=overlap)
     self.windows = sorted({*self.policy.windows, self.max_window})
+    self.largest = self.windows[-1]   # the largest W a row runs at (auto or fixed)
     self.max_tokens = max_num_batched_tokens or default_batched_tokens(
-        batch_size, self.max_window, prefill_chunk)
-    if self.max_tokens < prefill_chunk + self.max_window - 1:
+        batch_size, self.largest, prefill_chunk)
+    if self.max_tokens < prefill_chunk + self.largest - 1:
       raise ValueError(f"max_num_batched_tokens={self.max_tokens} cannot hold one prompt "
-                       f"chunk: prefill_chunk {prefill_chunk} + the {self.max_window - 1} "
-                       f"MASK slots of the largest window ({self.max_window}); raise it or "
+                       f"chunk: prefill_chunk {prefill_chunk} + the {self.largest - 1} "
+                       f"MASK slots of the largest window ({self.largest}); raise it or "
                        "lower prefill_chunk.")
-    if self.num_pages < 2 + math.ceil((2 * self.max_window - 1) / page_size):
+    if self.num_pages < 2 + math.ceil((2 * self.largest - 1) / page_size):
       raise ValueError(f"num_pages={self.num_pages} cannot hold one row; raise it.")
     self.widths = [w for w in (MIN_WIDTH << i for i in range(32)) if w < self.max_tokens]
     self.widths.append(self.max_tokens)
     # each round's steps commit at most W tokens a row; its one prefill step a chunk
-    self.harvest_width = min(max_len, (self.policy.round_steps + 1) * self.max_window)
-    self.forward_tokens = 0   # flat tokens run (padding excluded), for the metrics
+    self.harvest_width = min(max_len, (self.policy.round_steps + 1) * self.largest)
+    self.preemptions = 0      # rows preempted (their requests resumed later)
+    self.forward_tokens = 0   # flat tokens dispatched (padding excluded; a call that ends
+                              # early counts its steps all the same), for the metrics
 
   # ---- state ----------------------------------------------------------------------
 
@@ -182,12 +187,14 @@ class Server(DenseServer):
     self.rows: dict[int, Row] = {}
     self.scan = self._stop_scan(self.max_batch)
     self._cancelled: set[int] = set()
-    self._table: list[tuple[int, int, int]] = []   # page-table entries to send
-    self._resumed: dict[int, Stream] = {}          # preempted requests' streams
+    self._table: dict[tuple[int, int], int] = {}   # page-table entries to send
+    queued = {r.request_id for r in self.queue}
+    # preempted requests waiting in the queue: their streams and stop scans
+    self._resumed: dict[int, tuple[Stream, tuple]] = {
+        rid: v for rid, v in getattr(self, "_resumed", {}).items() if rid in queued}
     return dropped
 
   def _stop_scan(self, rows: int):
-    from mars_jax.decoding import stops
     return stops.StopScan(self.tokenizer, [()] * rows)
 
   @property
@@ -203,21 +210,26 @@ class Server(DenseServer):
     want = math.ceil(min(upto, self.max_len) / self.page_size)
     if want > len(r.pages):
       new = self.pool.allocate(want - len(r.pages))
-      self._table += [(row, len(r.pages) + i, p) for i, p in enumerate(new)]
+      self._table.update(((row, len(r.pages) + i), p) for i, p in enumerate(new))
       r.pages += new
 
   def _release(self, row: int) -> None:
     r = self.rows.pop(row)
-    self._table += [(row, i, 0) for i in range(len(r.pages))]
+    self._table.update(((row, i), 0) for i in range(len(r.pages)))
     self.pool.release(r.pages)
 
   def _send_table(self) -> None:
-    while self._table:
-      chunk, self._table = self._table[:ragged.TABLE_CHUNK], self._table[ragged.TABLE_CHUNK:]
+    """Writes the page-table entries set since the last call, each (row, column) once
+    (its latest page: a row freed and taken again in one round), TABLE_CHUNK a call."""
+    entries, self._table = list(self._table.items()), {}
+    for at in range(0, len(entries), ragged.TABLE_CHUNK):
+      chunk = entries[at:at + ragged.TABLE_CHUNK]
       rows = np.full((ragged.TABLE_CHUNK,), self.max_batch, np.int32)
       cols = np.zeros((ragged.TABLE_CHUNK,), np.int32)
       pages = np.zeros((ragged.TABLE_CHUNK,), np.int32)
-      rows[:len(chunk)], cols[:len(chunk)], pages[:len(chunk)] = zip(*chunk)
+      rows[:len(chunk)] = [r for (r, _), _ in chunk]
+      cols[:len(chunk)] = [c for (_, c), _ in chunk]
+      pages[:len(chunk)] = [p for _, p in chunk]
       self.state = self.call(ragged.set_pages, self.state, rows, cols, pages)
 
   def _register(self, row: int) -> None:
@@ -225,9 +237,9 @@ class Server(DenseServer):
     below its length less a window (the pending tokens' K/V are written next step)."""
     r = self.rows[row]
     stream = self._streams[r.request.request_id]
-    tokens = list(r.request.prompt) + stream.tokens
+    tokens = list(r.request.prompt) + stream.tokens[r.request.resumed:]
     final = (r.prefilled if r.prefilled < len(r.request.prompt)
-             else len(tokens) - self.max_window)
+             else len(tokens) - self.largest)
     if final >= self.page_size:
       self.pool.register(r.pages, tokens[:final])
 
@@ -247,15 +259,14 @@ class Server(DenseServer):
       hit = self.pool.match(prompt, len(prompt) - 1)
       try:
         rest = self.pool.allocate(
-            math.ceil(min(len(prompt) + 2 * self.max_window, self.max_len) / self.page_size)
-            - len(hit))
+            math.ceil(self._prefill_need(request) / self.page_size) - len(hit))
       except pages_lib.OutOfPages:
         self.pool.release(hit)
         break
       self.queue.popleft()
       row = free.pop(0)
       self.rows[row] = Row(request, hit + rest, len(hit) * self.page_size)
-      self._table += [(row, i, p) for i, p in enumerate(hit + rest)]
+      self._table.update(((row, i), p) for i, p in enumerate(hit + rest))
       started.append((row, request, len(hit) * self.page_size))
     if not started:
       return []
@@ -267,22 +278,28 @@ class Server(DenseServer):
                           stop_width=self.max_stop_ids, **controls)
     rows = np.full((b,), b, np.int32)
     start = np.zeros((b,), np.int32)
+    forwards = np.zeros((b,), np.int32)
     for k, (row, request, hit) in enumerate(started):
       rows[k], start[k] = row, hit
       self.slots[row] = request.request_id
       self.scan.reset(row, request.stop)
-      self._streams[request.request_id] = self._resumed.pop(request.request_id, Stream())
+      stream = Stream()
+      if request.request_id in self._resumed:   # a preempted request goes on
+        stream, scan = self._resumed.pop(request.request_id)
+        self.scan.restore(row, scan)
+      self._streams[request.request_id] = stream
+      forwards[k] = stream.forwards
     self.state = self.call(loop.insert, self.state, rows, new.prompt, new.prompt_len,
-                           new.max_new_tokens, new.controls, start)
+                           new.max_new_tokens, new.controls, start, forwards)
     return [row for row, _, _ in started]
 
   def submit(self, prompt: Sequence[int], *, max_new_tokens: int, **kwargs) -> int:
     """`DenseServer.submit`; also refuses a request that the whole pool cannot hold."""
     room = (self.pool.num_pages - self.pool.reserved) * self.page_size
-    need = len(prompt) + max_new_tokens + 2 * self.max_window
+    need = len(prompt) + max_new_tokens + 2 * self.largest
     if need > room:
       raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + "
-                       f"{2 * self.max_window} (the window's slots) = {need} tokens; the KV "
+                       f"{2 * self.largest} (the window's slots) = {need} tokens; the KV "
                        f"pool holds {room} ({self.pool.num_pages - self.pool.reserved} pages "
                        f"of {self.page_size}): lower max_tokens.")
     return super().submit(prompt, max_new_tokens=max_new_tokens, **kwargs)
@@ -291,16 +308,19 @@ class Server(DenseServer):
     """Frees a row and puts its request back at the front of the queue, its committed
     tokens appended to its prompt (module doc)."""
     r = self.rows[row]
-    rid = r.request.request_id
+    rid, old = r.request.request_id, r.request
     stream = self._streams.pop(rid)
     self._release(row)
     self.slots[row] = None
+    base = old.prompt[:len(old.prompt) - old.resumed]
     request = dataclasses.replace(
-        r.request, prompt=r.request.prompt + tuple(stream.tokens),
-        max_new_tokens=r.request.max_new_tokens - len(stream.tokens))
+        old, prompt=base + tuple(stream.tokens),
+        max_new_tokens=old.max_new_tokens + old.resumed - len(stream.tokens),
+        resumed=len(stream.tokens))
     self._requests[rid] = request
-    self._resumed[rid] = stream
+    self._resumed[rid] = (stream, self.scan.snapshot(row))
     self.queue.appendleft(request)
+    self.preemptions += 1
 
   def _finish(self, row: int, rid: int, reason: str, drafted: int) -> None:
     self._register(row)
@@ -395,16 +415,17 @@ class Server(DenseServer):
     prefilling = [row for row in self.rows if row not in decoding]
     auto = self._choose(decoding)
     steps = self.policy.round_steps
-    in_flight = steps * self.max_window if self._last is not None else 0
+    in_flight = steps * self.largest if self._last is not None else 0
     for row in sorted(self.rows, key=lambda x: self.rows[x].request.request_id):
       r = self.rows[row]
       w = self._row_window(r.request, auto)
       if row in decoding:
-        known = len(r.request.prompt) + len(self._streams[r.request.request_id].tokens)
+        stream = self._streams[r.request.request_id]
+        known = len(r.request.prompt) + len(stream.tokens) - r.request.resumed
         upto = min(known + in_flight + steps * w + 2 * w,
                    len(r.request.prompt) + r.request.max_new_tokens + 2 * w)
       else:
-        upto = len(r.request.prompt) + (steps + 2) * w
+        upto = self._prefill_need(r.request)
       try:
         self._ensure(row, upto)
       except pages_lib.OutOfPages:
@@ -412,16 +433,14 @@ class Server(DenseServer):
           return [], [], auto     # read the round in flight, then preempt with what it says
         self._preempt(max(self.rows, key=lambda x: self.rows[x].request.request_id))
         return self._plan()
-    budget = self.max_tokens
-    spans_a, spans_b = [], []
-    for row in decoding:
+    spans_b = []
+    for row in decoding:   # as many as the widest decoding call holds
       w = self._row_window(self.rows[row].request, auto)
-      if budget >= 2 * w - 1:
-        spans_a.append((row, w, w))
+      if self._holds(spans_b + [(row, w, w)], False):
         spans_b.append((row, w, w))
-        budget -= 2 * w - 1
     if not prefilling:
       return [], spans_b, auto
+    spans_a, budget = list(spans_b), self.max_tokens - sum(2 * w - 1 for _, _, w in spans_b)
     for row in prefilling:
       r = self.rows[row]
       w = self._row_window(r.request, auto)
@@ -431,9 +450,23 @@ class Server(DenseServer):
       spans_a.append((row, chunk, w))
       budget -= chunk + w - 1
       r.prefilled += chunk
-      if r.prefilled >= len(r.request.prompt):
+      if (r.prefilled >= len(r.request.prompt)
+          and self._holds(spans_b + [(row, w, w)], False)):
         spans_b.append((row, w, w))
     return spans_a, spans_b, auto
+
+  def _holds(self, spans: list[tuple[int, int, int]], prefill: bool) -> bool:
+    """Whether one call holds these spans (its slots and rows)."""
+    window = self._call_window(max(w for _, _, w in spans))
+    return self._fit(sum(rs + w - 1 for _, rs, w in spans), len(spans), window,
+                     ("few", "many") if prefill else ("decode",)) is not None
+
+  def _prefill_need(self, request: Request) -> int:
+    """The positions a prefilling row may write by the end of its round: its prompt,
+    then a round of decoding steps at the largest W (at most its budget)."""
+    steps = self.policy.round_steps
+    return min(len(request.prompt) + (steps + 2) * self.largest,
+               len(request.prompt) + request.max_new_tokens + 2 * self.largest, self.max_len)
 
   def step(self) -> list[Update]:
     """One round: cancel, admit, plan, dispatch, harvest (module doc); with `overlap`,
@@ -463,7 +496,7 @@ class Server(DenseServer):
     steps = self.policy.round_steps
     self.window = auto
     if spans_a:
-      self._run(self._layout(spans_a, self.max_window, prefill=True), self.max_window, auto,
+      self._run(self._layout(spans_a, self.largest, prefill=True), self.largest, auto,
                 1, mode, False)
       self.forward_tokens += sum(rs + w - 1 for _, rs, w in spans_a)
       steps -= 1
@@ -486,26 +519,28 @@ class Server(DenseServer):
     """Seconds of a decoding step at flat width `width` and W = window, as a round runs
     it (a call of round_steps steps, best of 3, over its steps): as many rows as the call
     holds at 2W - 1 slots, each at a context of min(max_len / 2, 256), none ending (no
-    end token). On the server's own state while no request runs (its rows are stopped
-    and their page lists cleared after), else on a second state of the same shapes."""
+    end token), all reading the same pages. On the server's own state and pages taken
+    from its pool while no request runs (stopped, cleared and given back after), else
+    on a second state of the same shapes."""
     shape = call_shape(self.max_batch, width, window, "decode")
     rows = min(shape[0], max(width // (2 * window - 1), 1))
     context = min(self.max_len // 2, 256)
     steps = self.policy.round_steps
+    own = not self.rows
     pages = min(math.ceil((context + (steps + 2) * window) / self.page_size),
-                self.num_pages - 1)
-    entries = [(r, c, 1 + c) for r in range(rows) for c in range(pages)]
+                self.pool.free if own else self.num_pages - 1)
+    held = self.pool.allocate(pages) if own else list(range(1, pages + 1))
     new = batching.bucket([[0] * context] * rows, self.max_batch, max_new_tokens=1 << 20,
                           width=self._insert_width(context), stop_width=self.max_stop_ids,
                           lossless=self.mode == "lossless")
     no_end = np.full_like(self.eos_ids, -1)
-    own = not self.rows
     saved, table = self.state, self._table
     self.state = self.call(loop.insert, self.state if own else self._new_state(self.max_batch),
                            np.arange(self.max_batch, dtype=np.int32), new.prompt,
                            new.prompt_len, new.max_new_tokens, new.controls,
-                           np.full((self.max_batch,), context - 1, np.int32))
-    self._table = entries
+                           np.full((self.max_batch,), context - 1, np.int32),
+                           np.zeros((self.max_batch,), np.int32))
+    self._table = {(r, c): p for r in range(rows) for c, p in enumerate(held)}
     try:
       self._send_table()
       layout = ragged.layout(self.max_batch, [(r, window, window) for r in range(rows)],
@@ -521,8 +556,9 @@ class Server(DenseServer):
         b = self.max_batch
         self.state = self.call(loop.stop, self.state, np.ones((b,), bool),
                                np.zeros((b,), np.int32))
-        self._table = [(r, c, 0) for r, c, _ in entries]
+        self._table = {(r, c): 0 for r in range(rows) for c in range(len(held))}
         self._send_table()
+        self.pool.release(held)
       else:
         self.state = saved
       self._table = table
@@ -533,17 +569,17 @@ class Server(DenseServer):
     each W, from one row to max_num_seqs rows (or the token budget); prefill calls at
     max_window, few rows or many, from one short prompt beside one decoding row to the
     budget."""
-    decoding = {self._fit(n * (2 * w - 1), n, w, ("decode",)) + (w,) for w in self.windows
-                for n in range(1, self.max_batch + 1)
-                if self._fit(n * (2 * w - 1), n, w, ("decode",))}
-    smallest = self._fit(2 * self.max_window, 2, self.max_window, ("few", "many"))[0]
+    fits = [(self._fit(n * (2 * w - 1), n, w, ("decode",)), w) for w in self.windows
+            for n in range(1, self.max_batch + 1)]
+    decoding = {fit + (w,) for fit, w in fits if fit is not None}
+    smallest = self._fit(self.largest, 1, self.largest, ("few", "many"))[0]  # a 1-token chunk
     prefill, shapes = set(), set()
     for width in self.widths:
       for kind in ("few", "many"):
-        shape = call_shape(self.max_batch, width, self.max_window, kind)
+        shape = call_shape(self.max_batch, width, self.largest, kind)
         if width >= smallest and (width, shape) not in shapes:
           shapes.add((width, shape))
-          prefill.add((width, kind, self.max_window))
+          prefill.add((width, kind, self.largest))
     return sorted((width, w, kind) for width, kind, w in decoding | prefill)
 
   def warmup(self, prompt_len: int | None = None) -> None:
@@ -562,8 +598,8 @@ class Server(DenseServer):
                             stop_width=self.max_stop_ids)
       self.state = self.call(loop.insert, self.state, np.full((b,), b, np.int32), new.prompt,
                              new.prompt_len, new.max_new_tokens, new.controls,
-                             np.zeros((b,), np.int32))
-    self._table = [(b, 0, 0)]
+                             np.zeros((b,), np.int32), np.zeros((b,), np.int32))
+    self._table.setdefault((b, 0), 0)   # an entry of no row: the call is compiled
     self._send_table()
     modes = ["lossless"] if self.mode == "lossless" else ["gated", "lossless"]
     for mode in modes:

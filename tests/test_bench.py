@@ -192,3 +192,18 @@ def test_bench_data_small(tmp_path, capsys):
       texts[:100], add_special_tokens=False)["input_ids"]))
   assert all(s > 0 for s in stages["steps_s"].values()) and len(stages["steps_s"]) == 8
   assert "| tokenize and label (ours) |" in capsys.readouterr().out
+
+
+def test_bench_serve_system_prompt_is_one_message_of_at_least_the_tokens_asked(tmp_path):
+  """--system-prompt-tokens: the same system message before every chat, at least that
+  many tokens by the model's own tokenizer (the real Qwen2.5 vocabulary here)."""
+  from qwen_tokenizers import make_qwen_checkpoint  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  model = make_qwen_checkpoint(tmp_path / "hf", "qwen2.5")
+  chats = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "Hi."}]]
+  out = serve_load.with_system_prompt(chats, model, 300)
+  assert [c[1:] for c in out] == chats
+  assert out[0][0] == out[1][0] and out[0][0]["role"] == "system"
+  tokens = len(AutoTokenizer.from_pretrained(model)(out[0][0]["content"]).input_ids)
+  sentence = len(AutoTokenizer.from_pretrained(model)(serve_load.SYSTEM_SENTENCE).input_ids)
+  assert 300 <= tokens < 300 + 2 * sentence

@@ -20,7 +20,8 @@ from mars_jax.decoding.programs import Programs
 from mars_jax.decoding.window_policy import WindowPolicy
 from mars_jax.models.qwen2 import Runtime
 from mars_jax.serve import sizing
-from mars_jax.serve.server import Server, default_batched_tokens, step_bytes
+from mars_jax.serve.server import Server
+from mars_jax.serve.shapes import default_batched_tokens, step_bytes
 
 DEFAULT_MAX_CONTEXT = 4096  # tokens per request unless --max-len says otherwise
 DEFAULT_WINDOWS = (1, 2, 3, 5)

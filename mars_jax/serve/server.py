@@ -50,49 +50,11 @@ from mars_jax.decoding import (batching, loop, pages as pages_lib, programs as p
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
 from mars_jax.serve.dense import DenseServer
+from mars_jax.serve.shapes import call_shape, default_batched_tokens
 from mars_jax.serve.requests import Request, Round, Stream, Update
 
-TILE = 8                  # query slots of a tile (`paged.Tiles`) in a call with W > 1
-FEW_SLOTS = 16            # a "few rows" prefill call: a row per FEW_SLOTS slots at most
 MIN_WIDTH = 1             # the narrowest flat batch
 DEFAULT_PAGE_SIZE = 16
-
-
-def default_batched_tokens(rows: int, window: int, prefill_chunk: int) -> int:
-  """The default token budget of a step: every row decoding at the largest window, and
-  at least 2048 (vLLM's default for online serving) and a prefill chunk; a power of two."""
-  return batching.pow2(max(2048, prefill_chunk, rows * (2 * window - 1)))
-
-
-def call_shape(max_rows: int, width: int, window: int, kind: str) -> tuple[int, int, int]:
-  """(rows, tiles, tile width) of a call `width` slots wide. kind: "decode", a decoding
-  call (rows: the width over a row's 2W - 1 slots); "few", a prefill call of at most one
-  row a FEW_SLOTS slots; "many", a prefill call of up to a row a slot. At most max_rows
-  rows. A decoding call at W = 1 takes one slot a tile, the others TILE (a prompt
-  chunk's queries share their row's pages)."""
-  rows = {"decode": width if window == 1 else batching.pow2(-(-width // (2 * window - 1))),
-          "few": max(width // FEW_SLOTS, 1), "many": width}[kind]
-  rows = min(max_rows, rows)
-  tq = 1 if window == 1 and kind == "decode" else TILE
-  return rows, min(width, rows + width // tq), tq
-
-
-def step_bytes(config: Qwen2Config, params, *, rows: int, max_len: int, page_size: int,
-               width: int, window: int, mode: Mode, runtime: Runtime = DEFAULT_RUNTIME
-               ) -> tuple[int, int, int]:
-  """What XLA compiles the widest step to (a prefill call `width` slots wide at W =
-  window, over a two-page pool) -> (its temporaries, the state's bytes besides the pool,
-  a page's bytes). Lowered and compiled, never run."""
-  state = jax.eval_shape(lambda: ragged.new_state(config, rows, max_len, 2, page_size,
-                                                  runtime=runtime))
-  layout = ragged.layout(rows, [], width, *call_shape(rows, width, window, "many"))
-  compiled = ragged.run_steps.lower(
-      config, params, state, layout, np.zeros((8,), np.int32), np.int32(0), np.int32(1),
-      np.int32(1), np.bool_(False), window=window, mode=mode, runtime=runtime).compile()
-  pool = sum(int(np.prod(state.cache[k].shape)) * state.cache[k].dtype.itemsize
-             for k in ("k", "v"))
-  held = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
-  return compiled.memory_analysis().temp_size_in_bytes, held - pool, pool // 2
 
 
 @dataclasses.dataclass
@@ -523,7 +485,8 @@ class Server(DenseServer):
     from its pool while no request runs (stopped, cleared and given back after), else
     on a second state of the same shapes."""
     shape = call_shape(self.max_batch, width, window, "decode")
-    rows = min(shape[0], max(width // (2 * window - 1), 1))
+    each = window if 2 * window - 1 <= width else 1   # rows of a narrower window fit
+    rows = min(shape[0], max(width // (2 * each - 1), 1))
     context = min(self.max_len // 2, 256)
     steps = self.policy.round_steps
     own = not self.rows
@@ -543,7 +506,7 @@ class Server(DenseServer):
     self._table = {(r, c): p for r in range(rows) for c, p in enumerate(held)}
     try:
       self._send_table()
-      layout = ragged.layout(self.max_batch, [(r, window, window) for r in range(rows)],
+      layout = ragged.layout(self.max_batch, [(r, each, each) for r in range(rows)],
                              width, *shape)
       best = float("inf")
       for _ in range(3):
@@ -555,7 +518,7 @@ class Server(DenseServer):
       if own:
         b = self.max_batch
         self.state = self.call(loop.stop, self.state, np.ones((b,), bool),
-                               np.zeros((b,), np.int32))
+                               np.zeros((b,), np.int32), mesh=None)
         self._table = {(r, c): 0 for r in range(rows) for c in range(len(held))}
         self._send_table()
         self.pool.release(held)
@@ -569,9 +532,11 @@ class Server(DenseServer):
     each W, from one row to max_num_seqs rows (or the token budget); prefill calls at
     max_window, few rows or many, from one short prompt beside one decoding row to the
     budget."""
-    fits = [(self._fit(n * (2 * w - 1), n, w, ("decode",)), w) for w in self.windows
-            for n in range(1, self.max_batch + 1)]
-    decoding = {fit + (w,) for fit, w in fits if fit is not None}
+    decoding = set()
+    for w in self.windows:   # rows of any window <= w, so any width up to every row at w
+      widest = self._fit(self.max_batch * (2 * w - 1), self.max_batch, w, ("decode",))
+      limit = widest[0] if widest else self.widths[-1]
+      decoding |= {(width, "decode", w) for width in self.widths if width <= limit}
     smallest = self._fit(self.largest, 1, self.largest, ("few", "many"))[0]  # a 1-token chunk
     prefill, shapes = set(), set()
     for width in self.widths:
@@ -608,7 +573,8 @@ class Server(DenseServer):
         self._run(layout, window, window, 1, mode, False)
     got = self.call(loop.harvest, self.state, self.call(loop.copy_lengths, self.state.length),
                     width=self.harvest_width)
-    self.state = self.call(loop.stop, self.state, np.ones((b,), bool), np.zeros((b,), np.int32))
+    self.state = self.call(loop.stop, self.state, np.ones((b,), bool), np.zeros((b,), np.int32),
+                           mesh=None)   # as `_stop` calls it
     jax.block_until_ready((got, self.state))
     if isinstance(self.policy, WindowPolicy):   # the widths decoding rounds meet
       for width, window, kind in self.variants():

@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
                  help="the share of the device's memory (the CPU backend: of the host's "
                       "available memory) the default batch may fill")
   p.add_argument("--min-batch-size", type=int, default=1,
-                 help="rows at the lightest load (the batch grows in powers of two)")
+                 help="with --drafter or --mesh (the dense engine): rows at the lightest "
+                      "load (the batch grows in powers of two)")
   p.add_argument("--max-len", type=int, default=None,
                  help="KV-cache slots per row: prompt + completion + W - 1 of any request "
                       f"(default: the model's context, at most {DEFAULT_MAX_CONTEXT}, + W - 1)")
@@ -102,8 +103,8 @@ def parser() -> argparse.ArgumentParser:
                  help="decoding steps per round: between two admissions and two stream "
                       "updates")
   p.add_argument("--admit-steps", type=int, default=2,
-                 help="decoding steps per round while the batch has a free row (a request "
-                      "that arrives meanwhile starts at the next round)")
+                 help="with --drafter or --mesh (the dense engine): decoding steps per "
+                      "round while the batch has a free row")
   p.add_argument("--prefill-chunk", type=int, default=None,
                  help="prompt tokens a request prefills per forward at most (default: the "
                       "token budget, --max-num-batched-tokens; with --drafter or --mesh: 64)")

@@ -113,10 +113,13 @@ def default_model(work_dir: str) -> str:
   sys.path.insert(0, os.path.join(ROOT, "tests"))
   from qwen_tokenizers import make_qwen_checkpoint  # pylint: disable=import-outside-toplevel
   os.makedirs(work_dir, exist_ok=True)
-  tmp = f"{out}.tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  make_qwen_checkpoint(tmp, "qwen2.5")
-  os.replace(tmp, out)
+  tmp = tempfile.mkdtemp(prefix=".qwen2.5-tiny.tmp-", dir=work_dir)  # ours alone to remove
+  try:
+    make_qwen_checkpoint(tmp, "qwen2.5")
+    os.replace(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   return out
 
 

@@ -147,7 +147,7 @@ class Server(DenseServer):
     self._last: Round | None = None
     self.slots: list[int | None] = [None] * self.max_batch
     self.rows: dict[int, Row] = {}
-    self.scan = self._stop_scan(self.max_batch)
+    self.scan = stops.StopScan(self.tokenizer, [()] * self.max_batch)
     self._cancelled: set[int] = set()
     self._table: dict[tuple[int, int], int] = {}   # page-table entries to send
     queued = {r.request_id for r in self.queue}
@@ -155,14 +155,6 @@ class Server(DenseServer):
     self._resumed: dict[int, tuple[Stream, tuple]] = {
         rid: v for rid, v in getattr(self, "_resumed", {}).items() if rid in queued}
     return dropped
-
-  def _stop_scan(self, rows: int):
-    return stops.StopScan(self.tokenizer, [()] * rows)
-
-  @property
-  def pool_use(self) -> float:
-    """The share of the pool's pages that requests hold."""
-    return self.pool.in_use / max(self.pool.num_pages - self.pool.reserved, 1)
 
   # ---- pages ----------------------------------------------------------------------
 

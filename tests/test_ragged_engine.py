@@ -99,7 +99,7 @@ def test_server_equals_generate_alone_under_arrivals_cancels_prefix_hits_and_pre
   shared = rng.integers(0, 120, 19).tolist()
   server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=(EOS_NEVER,),
                         batch_size=4, max_len=64, window=1, max_window=4, prefill_chunk=6,
-                        round_steps=3, page_size=4, num_pages=40, max_num_batched_tokens=32)
+                        round_steps=3, page_size=4, num_pages=20, max_num_batched_tokens=32)
   expected, cancelled, submitted = {}, set(), 0
   for wave in range(4):
     for _ in range(5):

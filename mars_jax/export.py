@@ -7,6 +7,13 @@ checkpoint's generation_config.json when the run saved them. Permissions follow 
 umask. RUN_DIR may be the top directory of a run in stages (configs/tiny.py's WORKDIR,
 with WORKDIR/stage1 and WORKDIR/stage2): its last stage is exported, and named on stderr.
 
+A MARS model's config.json gets `pard_token`, the `<|mask|>` id, where vLLM's parallel
+drafting reads it, and the export prints the `vllm serve` command that serves the model
+as its own drafter (mars_jax/checkpoints/vllm_recipe.py). --checkpoint may also be a
+Hugging Face directory (an earlier export, say): it is written again to --out with
+`pard_token` (and --dtype, when given), its tokenizer, generation config, task record
+and export record kept.
+
 A LoRA run (`--config.lora.rank=R`) exports two ways:
   --merge     (the default) the adapters folded into the weights and the trained
               `<|mask|>` row written into the embedding: a plain model;
@@ -24,10 +31,14 @@ contain either. A failed export leaves nothing behind.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+import jax.numpy as jnp
 
 from mars_jax.core import cli
 from mars_jax.checkpoints import hf
+from mars_jax.checkpoints import vllm_recipe
 from mars_jax.decoding import loading
 from mars_jax.checkpoints import runs
 from mars_jax.checkpoints import peft as peft_adapter
@@ -38,12 +49,13 @@ def _within(path: str, root: str) -> bool:
   return os.path.commonpath([path, root]) == root
 
 
-def check_out(out: str, run_dir: str, source: str | None = None) -> None:
-  """Raises `hf.ExportTargetError` when `out` is, is inside, or contains the run or the
-  model it started from (`source`, when it is a local path)."""
+def check_out(out: str, run_dir: str, source: str | None = None, *,
+              what: str = "the run being exported") -> None:
+  """Raises `hf.ExportTargetError` when `out` is, is inside, or contains the run (or the
+  directory, `what`) or the model it started from (`source`, when it is a local path)."""
   o, r = os.path.realpath(out), os.path.realpath(run_dir)
   suggestion = os.path.join(os.path.dirname(r), os.path.basename(r) + "-hf")
-  protected = [("the run being exported", r)]
+  protected = [(what, r)]
   if source and source != "random":
     protected.append(("the model the run started from", os.path.realpath(source)))
   for what, path in protected:
@@ -56,6 +68,7 @@ def check_out(out: str, run_dir: str, source: str | None = None) -> None:
     raise hf.ExportTargetError(
         f"--out {out} {where} {what} ({path}); pass a directory outside the run and its "
         f"source model, e.g. --out {suggestion}.")
+
 
 
 def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
@@ -82,6 +95,7 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
   if os.path.isdir(tok_dir):
     tokenizer, _ = hf.load_tokenizer(tok_dir, config.vocab_size)
   source = {"run_dir": run_dir, "step": step, "objective": layout.get("objective", {})}
+  pard = hf.pard_token_of(layout.get("objective"), tokenizer)
   if adapter:
     init = layout.get("init")
     peft_adapter.save_adapter(config, params, runtime.lora, out, tokenizer=tokenizer,
@@ -90,19 +104,60 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
     return out
   hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
                      max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
-                     generation_config=hf.read_generation_config(tok_dir), source=source)
+                     generation_config=hf.read_generation_config(tok_dir), source=source,
+                     pard_token=pard)
   task = synthetic.load_task_settings(run_dir)
   if task is not None:   # after the weights (save_pretrained replaces `out`), for evaluate
     synthetic.save_task_settings(out, task)
   return out
 
 
+def export_hf(model_dir: str, out: str, *, dtype: str | None = None,
+              max_shard_size: str = "5GB", progress: bool = True,
+              overwrite: bool = False) -> str:
+  """Writes the Hugging Face directory `model_dir` again to `out`, with `pard_token` in
+  its config.json when it is a MARS model (`hf.pard_token_of`), in `dtype` (default: its
+  config's); its tokenizer, generation config, task record and the export record's
+  source are kept. Returns `out`. Raises `hf.ExportTargetError` as `export` does."""
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  check_out(out, model_dir, what="the model being exported")
+  hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
+  with open(os.path.join(model_dir, "config.json")) as f:
+    stored = json.load(f)
+  dtype = dtype or stored.get("dtype") or stored.get("torch_dtype") or "float32"
+  if dtype not in ("float32", "bfloat16", "float16"):
+    raise ValueError(f"{model_dir}/config.json: dtype {dtype!r}; pass --dtype float32, "
+                     "bfloat16 or float16.")
+  config, params = hf.load_pretrained(model_dir, dtype=jnp.dtype(dtype))
+  tokenizer = (AutoTokenizer.from_pretrained(model_dir)
+               if os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")) else None)
+  record = (hf.read_export_marker(model_dir) or {}).get("source") or {}
+  pard = hf.pard_token_of(record.get("objective"), tokenizer)
+  hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
+                     max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
+                     generation_config=hf.read_generation_config(model_dir),
+                     source={**record, "hf_dir": os.path.realpath(model_dir)},
+                     pard_token=pard)
+  task = synthetic.load_task_settings(model_dir)
+  if task is not None:
+    synthetic.save_task_settings(out, task)
+  return out
+
+
+def vllm_note(out: str) -> str:
+  """`vllm_recipe.note` for the export at `out` (its config.json and export record)."""
+  with open(os.path.join(out, "config.json")) as f:
+    pard = json.load(f).get(vllm_recipe.PARD_TOKEN)
+  return vllm_recipe.note(out, pard, loading.trained_block_size(out))
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mars_jax.export", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", required=True,
-                 help="RUN_DIR (latest step), RUN_DIR/STEP, or the top of a run in stages "
-                      "(its last stage)")
+                 help="RUN_DIR (latest step), RUN_DIR/STEP, the top of a run in stages "
+                      "(its last stage), or a Hugging Face directory (written again with "
+                      "pard_token)")
   p.add_argument("--out", required=True, help="output Hugging Face directory")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                  help="storage dtype of the exported weights (default: the run's)")
@@ -120,9 +175,18 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   with cli.one_line_errors():
     source = loading.model_path(args.checkpoint)
-    out = export(source, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                 overwrite=args.overwrite, adapter=args.adapter)
+    if os.path.isfile(os.path.join(source, "config.json")):
+      if args.adapter or args.merge:
+        raise ValueError(f"{source} is a Hugging Face directory; --merge and --adapter are "
+                         "for LoRA runs: drop them.")
+      out = export_hf(source, args.out, dtype=args.dtype,
+                      max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    else:
+      out = export(source, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                   overwrite=args.overwrite, adapter=args.adapter)
   print(f"exported {source} -> {out}")
+  if not args.adapter:
+    print(vllm_note(out))
 
 
 if __name__ == "__main__":

@@ -209,3 +209,59 @@ def test_rerun_of_a_finished_training_reexports(tmp_path):
   assert r.returncode != 0 and "not a mars_jax export" in r.stderr
   assert os.listdir(foreign / "hf") == ["notes.txt"]
   assert os.listdir(foreign) == ["hf"]  # refused before training, not after
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+  """An HF directory as exports wrote it before `pard_token`: the toy's (random weights,
+  its tokenizer with `<|mask|>`, a MARS record of block size 4), the key taken out."""
+  from mars_jax.benchmarks import toy
+  t = toy.Toy(toy.CONFIG, init_params(toy.CONFIG, jax.random.PRNGKey(1)),
+              np.arange(1, toy.PERIOD + 1), toy.MASK_ID, 4)
+  d = str(tmp_path_factory.mktemp("toy") / "hf")
+  toy.export(t, d)
+  config = json.load(open(os.path.join(d, "config.json")))
+  assert config.pop("pard_token") == toy.MASK_ID   # what every MARS export writes now
+  json.dump(config, open(os.path.join(d, "config.json"), "w"))
+  return d
+
+
+def test_a_hugging_face_directory_is_exported_with_pard_token(toy_dir, tmp_path, capsys):
+  """`--checkpoint HF_DIR`: the same weights, tokenizer and records, with `pard_token` (the
+  `<|mask|>` id) in config.json, which transformers keeps; the log prints the vLLM command
+  with K = B + 1; --dtype converts; --adapter and an --out inside the source are refused."""
+  import transformers
+  from mars_jax.checkpoints import vllm_recipe
+  out = str(tmp_path / "ready")
+  export.main(["--checkpoint", toy_dir, "--out", out])
+  log = capsys.readouterr().out
+  mask_id = transformers.AutoTokenizer.from_pretrained(out).convert_tokens_to_ids(hf.MASK_TOKEN)
+  assert transformers.AutoConfig.from_pretrained(out).pard_token == mask_id == 127
+  assert vllm_recipe.serve_command(out, 5) in log
+  _, got = hf.load_pretrained(out)
+  _, want = hf.load_pretrained(toy_dir)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(want))
+  marker = hf.read_export_marker(out)
+  assert marker["source"]["objective"] == {"kind": "mars", "block_size": 4}
+  assert marker["source"]["hf_dir"] == os.path.realpath(toy_dir)
+  assert hf.read_generation_config(out) == hf.read_generation_config(toy_dir)
+  export.main(["--checkpoint", toy_dir, "--out", out, "--dtype", "bfloat16", "--overwrite"])
+  assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+  capsys.readouterr()
+  for argv, says in [(["--out", str(tmp_path / "a"), "--adapter"], "LoRA runs"),
+                     (["--out", os.path.join(toy_dir, "inside")], "outside the run")]:
+    with pytest.raises(SystemExit) as e:
+      export.main(["--checkpoint", toy_dir, *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "a") and not leftovers(tmp_path)
+
+
+def test_only_a_mars_model_gets_pard_token():
+  """`hf.pard_token_of`: the `<|mask|>` id when the tokenizer has it and the record names
+  MARS or nothing; None for an AR-SFT run, or a tokenizer without `<|mask|>`."""
+  from mars_jax.benchmarks import toy
+  tok = toy.tokenizer()
+  assert hf.pard_token_of({"kind": "mars", "block_size": 4}, tok) == toy.MASK_ID
+  assert hf.pard_token_of(None, tok) == toy.MASK_ID
+  assert hf.pard_token_of({"kind": "ar_sft", "block_size": 4}, tok) is None
+  assert hf.pard_token_of({"kind": "mars"}, None) is None

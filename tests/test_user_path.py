@@ -126,6 +126,9 @@ def test_export_matches_transformers_and_knows_the_mask_token(user):
   model = transformers.AutoModelForCausalLM.from_pretrained(user["out"],
                                                             dtype=torch.float32).eval()
   assert mask_id == len(base) == 151665 < model.config.vocab_size
+  # vLLM's parallel drafting reads the mask id there; transformers keeps the key
+  assert model.config.pard_token == mask_id
+  assert f'vllm serve {user["out"]} --speculative-config' in user["export_log"]
   config, params = hf.load_pretrained(user["out"])
   *_, trained = runs.load_params(user["mars"])     # the run's last step, float32
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(trained), jax.device_get(params))

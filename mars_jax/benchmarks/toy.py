@@ -39,11 +39,12 @@ TRAIN_RUNTIME = qwen2.Runtime(scan_layers=False)  # unrolled: compiles faster on
 @dataclasses.dataclass(frozen=True)
 class Toy:
   """A trained toy: config, params (in the default `Runtime`'s layout), the cycle
-  (int32[PERIOD]) and the `<|mask|>` id."""
+  (int32[PERIOD]), the `<|mask|>` id and the MARS block size it was trained with."""
   config: Qwen2Config
   params: Any
   cycle: np.ndarray
   mask_token_id: int
+  block_size: int
 
   def prompts(self, n: int, seed: int = 0, length: int = PROMPT_LEN) -> list[list[int]]:
     """`n` prompts: `length` consecutive cycle tokens from random phases."""
@@ -88,7 +89,7 @@ def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 
   for _ in range(steps):
     params, opt_state, _ = step(params, opt_state, batch(cycle, rng, rows, length))
   return Toy(CONFIG, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.DEFAULT_RUNTIME),
-             cycle, MASK_ID)
+             cycle, MASK_ID, block_size)
 
 
 EOS_ID = 0  # never in the cycle (drawn from 1..MASK_ID-1), so EOS never cuts a continuation
@@ -117,9 +118,12 @@ def tokenizer():
 
 def export(t: Toy, directory: str) -> str:
   """Writes the trained toy as an HF directory (float32 weights, bos/eos EOS_ID, the
-  `tokenizer()`) that `python -m mars_jax.serve --model` and transformers'
-  `AutoModelForCausalLM.from_pretrained` load. -> `directory`."""
+  `tokenizer()`, `pard_token` and its MARS record) that `python -m mars_jax.serve
+  --model`, transformers' `AutoModelForCausalLM.from_pretrained` and vLLM load.
+  -> `directory`."""
   config = dataclasses.replace(t.config, bos_token_id=EOS_ID, eos_token_id=EOS_ID)
   hf.save_pretrained(config, t.params, directory, tokenizer=tokenizer(), dtype="float32",
-                     source={"model": "mars_jax.benchmarks.toy"})
+                     source={"model": "mars_jax.benchmarks.toy", "objective": {
+                         "kind": "mars", "block_size": t.block_size}},
+                     pard_token=t.mask_token_id)
   return directory

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mars_jax.checkpoints import safetensors_io as st
+from mars_jax.checkpoints import vllm_recipe
 from mars_jax.models.qwen2 import Qwen2Config, scan_layers_of
 
 MASK_TOKEN = "<|mask|>"
@@ -264,7 +265,8 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
                     max_shard_size: int | str = "5GB", dtype: str | None = None,
                     progress: bool = False, overwrite: bool = False,
                     source: dict | None = None,
-                    generation_config: dict | None = None) -> None:
+                    generation_config: dict | None = None,
+                    pard_token: int | None = None) -> None:
   """Writes an HF directory loadable by `Qwen2ForCausalLM` / `Qwen3ForCausalLM` (the
   config's family) `.from_pretrained`.
 
@@ -281,7 +283,10 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
   transformers 5.x and 4.5x); the marker records the `<|mask|>` id. Directory and
   files get the permissions the umask gives, as any file a user writes. Tied
   embeddings write no `lm_head.weight`. `dtype`: storage dtype of the written weights
-  (default: the params'). Written to a temporary sibling directory and
+  (default: the params'). `pard_token`: the `<|mask|>` id of a MARS model, written into
+  config.json under that key, where vLLM's parallel drafting reads it
+  (`checkpoints.vllm_recipe`; transformers keeps the key and ignores it). Written to a
+  temporary sibling directory and
   renamed into place, so an interrupted export never leaves a half-written `path`.
   """
   dtype = dtype or jnp.dtype(params["embedding"].dtype).name
@@ -315,8 +320,11 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
       with open(os.path.join(tmp, _INDEX), "w") as f:
         json.dump({"metadata": {"total_size": sum(n for _, n in sizes)},
                    "weight_map": weight_map}, f, indent=2)
+    hf_config = config.to_hf_dict(torch_dtype=dtype)
+    if pard_token is not None:
+      hf_config[vllm_recipe.PARD_TOKEN] = int(pard_token)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(config.to_hf_dict(torch_dtype=dtype), f, indent=2)
+      json.dump(hf_config, f, indent=2)
     if generation_config is None:
       generation_config = {"bos_token_id": config.bos_token_id,
                            "eos_token_id": config.to_hf_dict()["eos_token_id"],
@@ -329,6 +337,18 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
       if MASK_TOKEN in tokenizer.get_vocab():
         mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     write_marker(tmp, dtype=dtype, source=source, mask_token_id=mask_id)
+
+
+def pard_token_of(objective: dict | None, tokenizer) -> int | None:
+  """The `<|mask|>` id to write as config.json's `pard_token` (`save_pretrained`), or None
+  when the model is not MARS: a model is MARS when its tokenizer has `<|mask|>` and its
+  record (`objective`: a run's layout or an export's marker; None when there is none)
+  names no other kind."""
+  if tokenizer is None or MASK_TOKEN not in tokenizer.get_vocab():
+    return None
+  if (objective or {}).get("kind") not in (None, "mars"):
+    return None
+  return tokenizer.convert_tokens_to_ids(MASK_TOKEN)
 
 
 @contextlib.contextmanager

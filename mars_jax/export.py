@@ -95,7 +95,6 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
   if os.path.isdir(tok_dir):
     tokenizer, _ = hf.load_tokenizer(tok_dir, config.vocab_size)
   source = {"run_dir": run_dir, "step": step, "objective": layout.get("objective", {})}
-  pard = hf.pard_token_of(layout.get("objective"), tokenizer)
   if adapter:
     init = layout.get("init")
     peft_adapter.save_adapter(config, params, runtime.lora, out, tokenizer=tokenizer,
@@ -105,39 +104,52 @@ def export(checkpoint_path: str, out: str, *, dtype: str | None = None,
   hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
                      max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
                      generation_config=hf.read_generation_config(tok_dir), source=source,
-                     pard_token=pard)
+                     pard_token=hf.pard_token_of(layout.get("objective"), tokenizer))
   task = synthetic.load_task_settings(run_dir)
   if task is not None:   # after the weights (save_pretrained replaces `out`), for evaluate
     synthetic.save_task_settings(out, task)
   return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
 def export_hf(model_dir: str, out: str, *, dtype: str | None = None,
               max_shard_size: str = "5GB", progress: bool = True,
               overwrite: bool = False) -> str:
-  """Writes the Hugging Face directory `model_dir` again to `out`, with `pard_token` in
-  its config.json when it is a MARS model (`hf.pard_token_of`), in `dtype` (default: its
-  config's); its tokenizer, generation config, task record and the export record's
-  source are kept. Returns `out`. Raises `hf.ExportTargetError` as `export` does."""
+  """Writes the MARS model in the Hugging Face directory `model_dir` again to `out`, with
+  `pard_token` in its config.json (`hf.pard_token_of`), in `dtype` (default: its
+  config's). Its tokenizer, generation config, task record, the export record's source
+  and the config's other keys are kept. Returns `out`.
+
+  Raises `hf.ExportTargetError` as `export` does, and ValueError, before reading any
+  weight, when the model is not MARS (nothing to prepare for vLLM's parallel drafting)."""
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   check_out(out, model_dir, what="the model being exported")
   hf.check_export_target(os.path.realpath(out), overwrite=overwrite)
   with open(os.path.join(model_dir, "config.json")) as f:
     stored = json.load(f)
+  record = (hf.read_export_marker(model_dir) or {}).get("source") or {}
+  tokenizer = (AutoTokenizer.from_pretrained(model_dir) if any(
+      os.path.isfile(os.path.join(model_dir, n)) for n in TOKENIZER_FILES) else None)
+  pard = hf.pard_token_of(record.get("objective"), tokenizer)
+  if pard is None:
+    why = ("it has no tokenizer" if tokenizer is None else
+           f"its tokenizer has no {hf.MASK_TOKEN}"
+           if hf.MASK_TOKEN not in tokenizer.get_vocab() else
+           f"its export record names the {record['objective'].get('kind')!r} objective")
+    raise ValueError(f"{model_dir}: not a MARS model ({why}), so there is no mask id for "
+                     "vLLM's parallel drafting; vLLM serves it as it is.")
   dtype = dtype or stored.get("dtype") or stored.get("torch_dtype") or "float32"
   if dtype not in ("float32", "bfloat16", "float16"):
     raise ValueError(f"{model_dir}/config.json: dtype {dtype!r}; pass --dtype float32, "
                      "bfloat16 or float16.")
   config, params = hf.load_pretrained(model_dir, dtype=jnp.dtype(dtype))
-  tokenizer = (AutoTokenizer.from_pretrained(model_dir)
-               if os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")) else None)
-  record = (hf.read_export_marker(model_dir) or {}).get("source") or {}
-  pard = hf.pard_token_of(record.get("objective"), tokenizer)
   hf.save_pretrained(config, params, out, tokenizer=tokenizer, dtype=dtype,
                      max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
                      generation_config=hf.read_generation_config(model_dir),
                      source={**record, "hf_dir": os.path.realpath(model_dir)},
-                     pard_token=pard)
+                     pard_token=pard, keep_config=stored)
   task = synthetic.load_task_settings(model_dir)
   if task is not None:
     synthetic.save_task_settings(out, task)
@@ -146,9 +158,8 @@ def export_hf(model_dir: str, out: str, *, dtype: str | None = None,
 
 def vllm_note(out: str) -> str:
   """`vllm_recipe.note` for the export at `out` (its config.json and export record)."""
-  with open(os.path.join(out, "config.json")) as f:
-    pard = json.load(f).get(vllm_recipe.PARD_TOKEN)
-  return vllm_recipe.note(out, pard, loading.trained_block_size(out))
+  return vllm_recipe.note(out, vllm_recipe.read_pard_token(out),
+                          loading.trained_block_size(out))
 
 
 def main(argv=None) -> None:

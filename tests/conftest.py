@@ -33,7 +33,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-DEFAULT_SELECTION = "not slow and not slurm and not e2e"  # pytest.ini's addopts
+def default_selection(config) -> str:
+  """The marker expression of pytest.ini's addopts (`-m "..."`): the default selection."""
+  addopts = config.getini("addopts")
+  return addopts[addopts.index("-m") + 1].strip()
 
 
 def pytest_configure(config):
@@ -46,7 +49,7 @@ def pytest_configure(config):
   runs the tight numerical comparisons at the default level too."""
   flags = os.environ.get("XLA_FLAGS", "")
   if (os.environ["JAX_PLATFORMS"] == "cpu"
-      and (config.getoption("markexpr") or "").strip() == DEFAULT_SELECTION
+      and (config.getoption("markexpr") or "").strip() == default_selection(config)
       and "--xla_backend_optimization_level" not in flags):
     os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 

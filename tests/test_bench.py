@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from mars_jax.benchmarks import decode_cost, sample, serve_load, serve_peers, speculative, step
+from mars_jax.benchmarks import (decode_cost, sample, serve_load, serve_peers, serve_prompts,
+                                 speculative, step)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,7 +120,7 @@ def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
 
   venv = tmp_path / "venv"
   monkeypatch.setenv("MARS_JAX_VLLM_VENV", str(venv))
-  assert serve_peers.select(["transformers", "vllm"], None, model)[0] == ["transformers"]
+  assert serve_peers.select(["transformers", "vllm"], None, str(model))[0] == ["transformers"]
   out = capsys.readouterr().out.splitlines()
   assert len(out) == 1 and out[0].startswith("vllm peer skipped: no vLLM venv at")
   assert out[0].endswith("build it with: bash launch/vllm_venv.sh")
@@ -127,17 +128,17 @@ def test_bench_serve_vllm_peer_needs_its_venv(tmp_path, monkeypatch, capsys):
   (venv / "bin").mkdir(parents=True)
   (venv / "bin" / "vllm").write_text("#!/bin/sh\n")
   (venv / "bin" / "vllm").chmod(0o755)
-  peers, skipped = serve_peers.select(["vllm"], None, model)   # unfinished: no marker
+  peers, skipped = serve_peers.select(["vllm"], None, str(model))   # unfinished: no marker
   assert peers == [] and "did not finish its build" in skipped["vllm"]
-  assert serve_peers.select(["vllm"], str(venv), model) == (["vllm"], {})  # --vllm-venv
+  assert serve_peers.select(["vllm"], str(venv), str(model)) == (["vllm"], {})  # --vllm-venv
   (venv / serve_peers.VLLM_MARKER).write_text("built\n")
-  assert serve_peers.select(["vllm", "transformers"], None, model) == (
+  assert serve_peers.select(["vllm", "transformers"], None, str(model)) == (
       ["vllm", "transformers"], {})
-  peers, skipped = serve_peers.select(["vllm-mars", "vllm"], None, model)
-  assert peers == ["vllm"] and "no pard_token" in skipped["vllm-mars"]
+  peers, skipped = serve_peers.select(["vllm-mars", "vllm"], None, str(model))
+  assert peers == ["vllm"] and "no pard_token" in skipped["vllm-mars"] and skipped["vllm-mars"].endswith("--model OUT")
   assert f"python -m mars_jax.export --checkpoint {model}" in skipped["vllm-mars"]
   (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "pard_token": 9}))
-  assert serve_peers.select(["vllm-mars"], None, model) == (["vllm-mars"], {})
+  assert serve_peers.select(["vllm-mars"], None, str(model)) == (["vllm-mars"], {})
 
   args = serve_load.parser().parse_args(["--max-len", "300"])
   name, command, env = serve_peers.launch_spec("vllm", "/m", 8123, args)
@@ -224,9 +225,9 @@ def test_bench_serve_system_prompt_is_one_message_of_at_least_the_tokens_asked(t
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   model = make_qwen_checkpoint(tmp_path / "hf", "qwen2.5")
   chats = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "Hi."}]]
-  out = serve_load.with_system_prompt(chats, model, 300)
+  out = serve_prompts.with_system_prompt(chats, model, 300)
   assert [c[1:] for c in out] == chats
   assert out[0][0] == out[1][0] and out[0][0]["role"] == "system"
   tokens = len(AutoTokenizer.from_pretrained(model)(out[0][0]["content"]).input_ids)
-  sentence = len(AutoTokenizer.from_pretrained(model)(serve_load.SYSTEM_SENTENCE).input_ids)
+  sentence = len(AutoTokenizer.from_pretrained(model)(serve_prompts.SYSTEM_SENTENCE).input_ids)
   assert 300 <= tokens < 300 + 2 * sentence

@@ -227,16 +227,26 @@ def toy_dir(tmp_path_factory):
 
 
 def test_a_hugging_face_directory_is_exported_with_pard_token(toy_dir, tmp_path, capsys):
-  """`--checkpoint HF_DIR`: the same weights, tokenizer and records, with `pard_token` (the
-  `<|mask|>` id) in config.json, which transformers keeps; the log prints the vLLM command
-  with K = B + 1; --dtype converts; --adapter and an --out inside the source are refused."""
+  """`--checkpoint HF_DIR`: the same weights, tokenizer, records and config keys, with
+  `pard_token` (the `<|mask|>` id) in config.json, which transformers keeps; the log
+  prints the vLLM command with K = B + 1 and the absolute path; --dtype converts;
+  --adapter, an --out inside the source and a model that is not MARS are refused, with
+  nothing written."""
+  import shutil
+  import tokenizers
   import transformers
   from mars_jax.checkpoints import vllm_recipe
+  config = json.load(open(os.path.join(toy_dir, "config.json")))
+  json.dump({**config, "pad_token_id": 0}, open(os.path.join(toy_dir, "config.json"), "w"))
   out = str(tmp_path / "ready")
-  export.main(["--checkpoint", toy_dir, "--out", out])
+  os.chdir(tmp_path)
+  export.main(["--checkpoint", toy_dir, "--out", "ready"])
   log = capsys.readouterr().out
-  mask_id = transformers.AutoTokenizer.from_pretrained(out).convert_tokens_to_ids(hf.MASK_TOKEN)
-  assert transformers.AutoConfig.from_pretrained(out).pard_token == mask_id == 127
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert tok.get_vocab() == transformers.AutoTokenizer.from_pretrained(toy_dir).get_vocab()
+  hf_config = transformers.AutoConfig.from_pretrained(out)
+  assert hf_config.pard_token == tok.convert_tokens_to_ids(hf.MASK_TOKEN) == 127
+  assert hf_config.pad_token_id == 0
   assert vllm_recipe.serve_command(out, 5) in log
   _, got = hf.load_pretrained(out)
   _, want = hf.load_pretrained(toy_dir)
@@ -247,18 +257,32 @@ def test_a_hugging_face_directory_is_exported_with_pard_token(toy_dir, tmp_path,
   assert hf.read_generation_config(out) == hf.read_generation_config(toy_dir)
   export.main(["--checkpoint", toy_dir, "--out", out, "--dtype", "bfloat16", "--overwrite"])
   assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+  with open(os.path.join(out, "model.safetensors"), "rb") as f:   # the file's header
+    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+  assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
   capsys.readouterr()
-  for argv, says in [(["--out", str(tmp_path / "a"), "--adapter"], "LoRA runs"),
-                     (["--out", os.path.join(toy_dir, "inside")], "outside the run")]:
+  plain = tmp_path / "plain"                      # a tokenizer without <|mask|>
+  plain.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    shutil.copy(os.path.join(toy_dir, name), plain / name)
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, "<unk>"))
+  transformers.PreTrainedTokenizerFast(tokenizer_object=backend,
+                                       unk_token="<unk>").save_pretrained(plain)
+  for argv, says in [(["--checkpoint", toy_dir, "--out", "a", "--adapter"], "LoRA runs"),
+                     (["--checkpoint", toy_dir, "--out", os.path.join(toy_dir, "in")],
+                      "outside the run"),
+                     (["--checkpoint", str(plain), "--out", "a"],
+                      f"its tokenizer has no {hf.MASK_TOKEN}")]:
     with pytest.raises(SystemExit) as e:
-      export.main(["--checkpoint", toy_dir, *argv])
+      export.main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "a") and not leftovers(tmp_path)
 
 
 def test_only_a_mars_model_gets_pard_token():
   """`hf.pard_token_of`: the `<|mask|>` id when the tokenizer has it and the record names
-  MARS or nothing; None for an AR-SFT run, or a tokenizer without `<|mask|>`."""
+  MARS or nothing; None for an AR-SFT run, or without a tokenizer (a tokenizer without
+  `<|mask|>`: the test above)."""
   from mars_jax.benchmarks import toy
   tok = toy.tokenizer()
   assert hf.pard_token_of({"kind": "mars", "block_size": 4}, tok) == toy.MASK_ID

@@ -41,7 +41,7 @@ def _post(url: str, body: dict) -> dict:
   import urllib.request  # pylint: disable=import-outside-toplevel
   request = urllib.request.Request(url, json.dumps(body).encode(),
                                    {"Content-Type": "application/json"})
-  with urllib.request.urlopen(request, timeout=120) as r:
+  with urllib.request.urlopen(request, timeout=60) as r:
     return json.load(r)
 
 
@@ -59,7 +59,8 @@ def test_vllm_serves_a_mars_export_as_its_own_parallel_drafter(venv, tmp_path):
   out = str(tmp_path / "ready")
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
   r = subprocess.run([sys.executable, "-m", "mars_jax.export", "--checkpoint", old,
-                      "--out", out], env=env, cwd=ROOT, capture_output=True, text=True)
+                      "--out", out], env=env, cwd=ROOT, capture_output=True, text=True,
+                     timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   recipe = [line.strip() for line in r.stdout.splitlines()
             if line.strip().startswith("vllm serve ")]
@@ -72,11 +73,11 @@ def test_vllm_serves_a_mars_export_as_its_own_parallel_drafter(venv, tmp_path):
   port = serve_procs.free_port()
   command = [os.path.join(venv, "bin", "vllm"), *argv[1:], "--dtype", "float32",
              "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)]
-  vllm_env = {**os.environ, **serve_peers.VLLM_ENV, "VIRTUAL_ENV": venv}
-  server = serve_procs.Launched(command, vllm_env, str(tmp_path / "vllm.log"), port)
+  server = serve_procs.Launched(command, serve_peers.vllm_env(None),
+                                str(tmp_path / "vllm.log"), port)
   try:
     began = time.perf_counter()
-    server.wait_ready(600)
+    server.wait_ready(300)
     print(f"vLLM ready in {time.perf_counter() - began:.0f} s")
     prompts = t.prompts(12, seed=3) + t.prompts(4, seed=4, length=7)
     got = [_post(f"{server.url}/v1/completions",

@@ -11,7 +11,7 @@ Model: --model, an HF directory, or else the embedded default (`python -m mars_j
 --config configs/tiny.py --workdir WORK/tiny`, which exports WORK/tiny/hf), trained once
 under --work-dir and reused. Prompts (--prompts): "task", held-out problems of the task
 the directory's task.json records (a user turn of two sentences; the toy answers in ~40
-tokens, then EOS), or "chat", the short user chats of CHATS; "auto": task when the
+tokens, then EOS), or "chat", the short user chats of serve_prompts.CHATS; "auto": task when the
 directory has a task.json. Every request asks for --max-tokens at temperature 0. Ours
 and transformers' have no `ignore_eos` (both refuse unknown fields), and none is sent,
 so on a random model the tokens per request reach max_tokens only because it practically
@@ -80,7 +80,6 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from importlib import metadata
@@ -88,7 +87,9 @@ from importlib import metadata
 import numpy as np
 
 from mars_jax.benchmarks import serve_peers
-from mars_jax.benchmarks.serve_procs import (ROOT, Launched, child_env, compiles,
+from mars_jax.benchmarks.serve_prompts import (default_model, default_model_dir, prompt_set,
+                                               with_system_prompt)
+from mars_jax.benchmarks.serve_procs import (Launched, child_env, compiles,
                                              free_port, ours_command, per_forward,
                                              ready_offset, scrape, shape_flags)
 
@@ -97,89 +98,8 @@ SHORT = {"transformers": "tf", "vllm": "vllm", "vllm-mars": "vllm-mars"}   # rat
 MAX_CONTEXT = 4096        # our server's default context per request (prompt + completion)
 START_DELAY_S = 1.0       # client processes start a pass together, this long after it is sent
 REQUEST_TIMEOUT_S = 900.0
-CHATS = (
-    "I'm planning a weekend in Lisbon with two friends. We like food and old "
-    "neighbourhoods more than museums. What should we not miss?",
-    "My sourdough starter smells like nail polish remover. I feed it rye flour once a "
-    "day. Is it dead, or can I save it?",
-    "Can you explain what a hash map is? I'm new to programming and my textbook lost me "
-    "at 'buckets'.",
-    "Write a short, friendly reminder to my team that the quarterly reports are due on "
-    "Friday. Keep it under three sentences.",
-    "What's the difference between weather and climate? My daughter asked me and I "
-    "realised I'm not sure.",
-    "I run 5 km three times a week, but my knees ache afterwards. Should I change my "
-    "shoes or my route?",
-    "Summarise the plot of Romeo and Juliet in a few sentences for a ten-year-old.",
-    "My landlord wants to raise the rent by 15 percent. Is that normal? How should I "
-    "answer politely?",
-    "Give me three ideas for a vegetarian dinner in under thirty minutes. I have "
-    "chickpeas, spinach and rice.",
-    "Why does my Python script say 'list index out of range'? It loops over a list and "
-    "reads the next element too.",
-    "Translate 'Where is the train station, and when does the last train leave?' into "
-    "Spanish and French.",
-    "I have an interview tomorrow for a junior data analyst job. Which questions should "
-    "I expect?",
-    "How do I politely decline a wedding invitation from a coworker I barely know?",
-    "Explain compound interest with a simple example. I save 100 euros a month.",
-    "The bottom leaves of my tomato plants are turning yellow. They get full sun and I "
-    "water them every evening. What's wrong?",
-    "Suggest a name for a small bakery that makes cinnamon rolls. Something warm and a "
-    "bit playful.",
-)
-
-
 def _ints(text: str) -> list[int]:
   return [int(x) for x in text.split(",") if x]
-
-
-# ---- model and prompts ---------------------------------------------------------------
-
-
-def default_model(work_dir: str) -> str:
-  """The embedded default's export WORK/tiny/hf, trained (README's first command) when
-  absent; the training's output goes to WORK/tiny.log."""
-  run = os.path.abspath(os.path.join(work_dir, "tiny"))
-  out = os.path.join(run, "hf")
-  if os.path.isfile(os.path.join(out, "config.json")):
-    return out
-  os.makedirs(work_dir, exist_ok=True)
-  print(f"training the default model into {run} (log: {run}.log)", flush=True)
-  with open(f"{run}.log", "w") as log:
-    subprocess.run([sys.executable, "-m", "mars_jax.train", "--config",
-                    os.path.join(ROOT, "configs", "tiny.py"), "--workdir", run],
-                   stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT, env=child_env())
-  return out
-
-
-def prompt_set(model_dir: str, kind: str, count: int = 256) -> tuple[str, list[list[dict]]]:
-  """(the prompt set's kind, its chats: one user turn each; see the module doc)."""
-  from mars_jax.data import synthetic  # pylint: disable=import-outside-toplevel
-  task = synthetic.load_task_settings(model_dir)
-  kind = ("task" if task else "chat") if kind == "auto" else kind
-  if kind == "chat":
-    return kind, [[{"role": "user", "content": text}] for text in CHATS]
-  if task is None:
-    raise ValueError(f"--prompts task: {model_dir} has no task.json.")
-  settings = {k: task["synthetic"][k] for k in ("seed", "test_fraction", "difficulty")
-              if k in task["synthetic"]}
-  problems = synthetic.generate(count, split="test", **settings)
-  return kind, [[{"role": "user", "content": p["question"]}] for p in problems]
-
-
-SYSTEM_SENTENCE = ("You are a careful assistant. Answer the question that follows in as "
-                   "few words as it needs, and check every number twice. ")
-
-
-def with_system_prompt(chats: list, model_dir: str, tokens: int) -> list:
-  """Each chat with one shared system message of at least `tokens` tokens (a sentence
-  repeated, counted by the model's tokenizer): what a prefix cache saves."""
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-  tokenizer = AutoTokenizer.from_pretrained(model_dir)
-  per = len(tokenizer(SYSTEM_SENTENCE).input_ids)
-  text = SYSTEM_SENTENCE * -(-tokens // per)
-  return [[{"role": "system", "content": text}, *chat] for chat in chats]
 
 
 # ---- clients (run in spawned processes) ----------------------------------------------
@@ -517,8 +437,10 @@ def _versions(args) -> dict:
 
 
 def run(args) -> dict:
-  model_dir = os.path.abspath(args.model or default_model(args.work_dir))
+  model_dir = os.path.abspath(args.model or default_model_dir(args.work_dir))
   peers, skipped = serve_peers.select(args.peer, args.vllm_venv, model_dir)
+  if not args.model:
+    default_model(args.work_dir)
   os.makedirs(args.work_dir, exist_ok=True)
   prompts, chats = prompt_set(model_dir, args.prompts)
   if args.system_prompt_tokens:

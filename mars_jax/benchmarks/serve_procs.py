@@ -6,6 +6,7 @@ serve_load's."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -74,7 +75,7 @@ class Launched:
     self.command, self.log, self.url = command, log, f"http://127.0.0.1:{port}"
     with open(log, "w") as f:
       self.proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                   cwd=ROOT)
+                                   cwd=ROOT, start_new_session=True)
     self.begin = time.perf_counter()
 
   def wait_ready(self, timeout_s: float) -> dict:
@@ -97,13 +98,15 @@ class Launched:
                        f"{tail(self.log)}")
 
   def stop(self, timeout_s: float) -> dict:
-    """SIGTERM, then SIGKILL after timeout_s -> {"exit_code", "killed"}."""
+    """SIGTERM to the server, then SIGKILL to its whole process group (its engine and
+    workers too) after timeout_s -> {"exit_code", "killed"}."""
     if self.proc.poll() is None:
       self.proc.send_signal(signal.SIGTERM)
     try:
       return {"exit_code": self.proc.wait(timeout_s), "killed": False}
     except subprocess.TimeoutExpired:
-      self.proc.kill()
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(self.proc.pid, signal.SIGKILL)
       return {"exit_code": self.proc.wait(), "killed": True}
 
 

@@ -266,7 +266,7 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
                     progress: bool = False, overwrite: bool = False,
                     source: dict | None = None,
                     generation_config: dict | None = None,
-                    pard_token: int | None = None) -> None:
+                    pard_token: int | None = None, keep_config: dict | None = None) -> None:
   """Writes an HF directory loadable by `Qwen2ForCausalLM` / `Qwen3ForCausalLM` (the
   config's family) `.from_pretrained`.
 
@@ -285,8 +285,9 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
   embeddings write no `lm_head.weight`. `dtype`: storage dtype of the written weights
   (default: the params'). `pard_token`: the `<|mask|>` id of a MARS model, written into
   config.json under that key, where vLLM's parallel drafting reads it
-  (`checkpoints.vllm_recipe`; transformers keeps the key and ignores it). Written to a
-  temporary sibling directory and
+  (`checkpoints.vllm_recipe`; transformers keeps the key and ignores it). `keep_config`:
+  a source checkpoint's config.json, whose keys the written one lacks are kept (its
+  pad_token_id, say; not its dtype). Written to a temporary sibling directory and
   renamed into place, so an interrupted export never leaves a half-written `path`.
   """
   dtype = dtype or jnp.dtype(params["embedding"].dtype).name
@@ -321,6 +322,8 @@ def save_pretrained(config: Qwen2Config, params, path: str, *, tokenizer=None,
         json.dump({"metadata": {"total_size": sum(n for _, n in sizes)},
                    "weight_map": weight_map}, f, indent=2)
     hf_config = config.to_hf_dict(torch_dtype=dtype)
+    hf_config.update({k: v for k, v in (keep_config or {}).items()
+                      if k not in hf_config and k not in ("torch_dtype", "transformers_version")})
     if pard_token is not None:
       hf_config[vllm_recipe.PARD_TOKEN] = int(pard_token)
     with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -11,8 +11,8 @@ A MARS model's config.json gets `pard_token`, the `<|mask|>` id, where vLLM's pa
 drafting reads it, and the export prints the `vllm serve` command that serves the model
 as its own drafter (mars_jax/checkpoints/vllm_recipe.py). --checkpoint may also be a
 Hugging Face directory (an earlier export, say): it is written again to --out with
-`pard_token` (and --dtype, when given), its tokenizer, generation config, task record
-and export record kept.
+`pard_token` (and --dtype, when given), its tokenizer, generation config, task record,
+export record and config keys kept; a directory that is not a MARS model is refused.
 
 A LoRA run (`--config.lora.rank=R`) exports two ways:
   --merge     (the default) the adapters folded into the weights and the trained

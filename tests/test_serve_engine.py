@@ -3,7 +3,12 @@ decoding server whose admissions and rounds fail on cue: every accepted request 
 answered exactly once, and nothing a request or a round raises stops the engine.
 (Through HTTP on a real model: tests/test_http_server.py.)"""
 
+import argparse
+import asyncio
 import dataclasses
+import os
+import signal
+import time
 
 from mars_jax.serve import engine
 
@@ -102,3 +107,103 @@ def test_a_cancel_then_a_failed_round_answers_the_rest_once():
   c.take(("submit", 4, [5], {}))
   run_round(c)
   assert answers(c)[4] == ["Accepted", "Tokens", "Done"]
+
+
+# -- the HTTP side's restarts, over real engine processes that serve the stand-in ------
+
+class Slow(StandIn):
+  """A stand-in whose rounds take `seconds` each and finish a request every `per` rounds."""
+
+  def __init__(self, seconds, per=3):
+    super().__init__()
+    self.seconds, self.per, self.rounds = seconds, per, 0
+
+  def step(self):
+    time.sleep(self.seconds)
+    self.rounds += 1
+    return super().step() if self.rounds % self.per == 0 else []
+
+
+def fake_run(conn, args):
+  """`engine.run` over `Slow`: dies before it loads while `args.die_loading` names a file
+  (which it removes), else says it is loaded and ready and serves."""
+  if args.die_loading and os.path.exists(args.die_loading):
+    os.unlink(args.die_loading)
+    os._exit(3)
+  conn.send(engine.Loaded(None, (), 100, 1, False, 4))
+  conn.send(engine.Ready(0.0, 0.0))
+  engine._Core(Slow(args.round_s), conn).serve()
+
+
+def fake_args(**kw):
+  return argparse.Namespace(**{"watchdog_s": 0.0, "max_restarts": 3, "round_s": 0.0,
+                               "die_loading": None, **kw})
+
+
+async def until(predicate, seconds=60.0):
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    await asyncio.sleep(0.05)
+
+
+async def served(e) -> list:
+  """A request through `e` -> the class names of its events."""
+  handle = e.submit([1], max_new_tokens=2)
+  return [type(event).__name__ async for event in handle]
+
+
+def with_engine(args, body):
+  """Runs `body(engine)` in an event loop over an `Engine` of fake engine processes."""
+  async def main():
+    e = engine.Engine(args)
+    e.on_failure = lambda: None
+    try:
+      e.start()
+      await until(lambda: e.ready is not None)
+      await body(e)
+    finally:
+      e.admitting = False
+      e.close()
+  asyncio.run(main())
+
+
+def test_the_watchdog_counts_from_dispatch_not_from_the_last_message_before_an_idle_spell(
+    monkeypatch):
+  """--watchdog-s 1 over 0.4 s rounds: a request after 2 s idle is served (the engine's
+  last message is stale, but no round was owed); one that stalls is killed."""
+  monkeypatch.setattr(engine, "run", fake_run)
+
+  async def body(e):
+    assert await served(e) == ["Accepted", "Tokens", "Done"]
+    await asyncio.sleep(2.0)
+    assert await served(e) == ["Accepted", "Tokens", "Done"]
+    assert e.deaths == [] and e.ready is not None
+    os.kill(e._proc.pid, signal.SIGSTOP)   # hung: the watchdog kills it, it comes back
+    events = await served(e)
+    assert events == ["Error"] and len(e.deaths) == 1, events
+    await until(lambda: e.ready is not None)
+    assert await served(e) == ["Accepted", "Tokens", "Done"]
+  with_engine(fake_args(watchdog_s=1.0, round_s=0.4), body)
+
+
+def test_a_death_is_handled_once_and_a_death_while_loading_is_one_restart(monkeypatch,
+                                                                         tmp_path):
+  """An engine killed: a send on its pipe notices first and restarts it, then its
+  reader's report of the same death is dropped (one death, not two). The restarted engine
+  dies while loading: one more restart, and the third engine serves."""
+  monkeypatch.setattr(engine, "run", fake_run)
+  die = tmp_path / "die"
+
+  async def body(e):
+    old = e._proc
+    os.kill(old.pid, signal.SIGKILL)
+    old.join()   # dead; its reader's report waits for this coroutine to yield
+    die.write_text("")   # the next engine dies while loading
+    e._send(("cancel", 99))
+    e._flush()           # the send fails: a restart
+    assert len(e.deaths) == 1 and e._proc is not old
+    await until(lambda: e.ready is not None)
+    assert len(e.deaths) == 2 and e.failure is None and not die.exists()
+    assert await served(e) == ["Accepted", "Tokens", "Done"]
+  with_engine(fake_args(die_loading=str(die), max_restarts=2), body)

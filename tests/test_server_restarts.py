@@ -65,24 +65,32 @@ def _back(server) -> list[str]:
 
 
 def test_a_dead_or_stuck_engine_comes_back_and_one_death_too_many_ends_the_server(servers):
-  """SIGKILL of the engine (as the OOM killer sends) with requests in flight: they are
-  answered 503 with Retry-After, /health says "restarting", the engine starts again and
-  serves. SIGSTOP (a hung engine): the watchdog (--watchdog-s 5) kills it, and the same
-  follows. With --max-restarts 2 the third death within the window ends the server with
-  status 2, saying why."""
-  server = servers.get("restartable", "--max-restarts", "2", "--watchdog-s", "5",
-                       env={"MARS_JAX_SERVE_ROUND_DELAY_S": "0.2"})
+  """--watchdog-s 3 over rounds of 1.2 s: the first request after an idle spell longer
+  than that is served (silence counts from the dispatch, not from the engine's last
+  message). SIGKILL of the engine (as the OOM killer sends) with requests in flight: they
+  are answered 503 with Retry-After, /health says "restarting", and the new engine,
+  killed while it loads, counts as one more restart; the next one serves. SIGSTOP (a hung
+  engine): the watchdog kills it, and the same follows. With --max-restarts 3 the fourth
+  death within the window ends the server with status 2, saying why."""
+  server = servers.get("restartable", "--max-restarts", "3", "--watchdog-s", "3",
+                       env={"MARS_JAX_SERVE_ROUND_DELAY_S": "1.2"})
+  time.sleep(4.5)
+  assert complete(server.client(), PROMPTS[1], max_tokens=30)[1] == "length"
   for sig in (signal.SIGKILL, signal.SIGSTOP):
     held = _kill_in_flight(server, sig)
     assert [r.status_code for r in held] == [503] * 4, [r.text for r in held]
     assert all(r.headers["Retry-After"] and "restarting" in r.json()["error"]["message"]
                for r in held)
+    if sig == signal.SIGKILL:   # the next engine dies while it loads: one restart more
+      os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
     seen = _back(server)
     assert "restarting" in seen and seen[-1] == "ok", seen
     health = httpx.get(f"{server.url}/health", timeout=5).json()  # the new engine's warmup:
     assert health["programs_compiled"] == 0 < health["programs_loaded"], health  # all saved
     assert complete(server.client(), PROMPTS[0], max_tokens=5)[1] == "length"
-  assert "ended no round for" in server.output()
+  log = open(server.log.name).read()
+  assert re.findall(r"death (\d) of 3 allowed", log) == ["1", "2", "3"], log[-4000:]
+  assert "ended no round for" in log
   os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
   assert server.proc.wait(120) == 2, server.output()
   assert "giving up" in server.output()

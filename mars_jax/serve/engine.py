@@ -54,6 +54,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mars_jax.core.private import check_tree, private_dir
+from mars_jax.decoding.programs import DEFAULT_MAX_BYTES
 from mars_jax.serve.latency import Latency
 
 log = logging.getLogger(__name__)
@@ -153,20 +155,26 @@ class Failed:
 
 # -- the engine process ------------------------------------------------------------------
 
-def compilation_cache(directory: str | None) -> str | None:
+def compilation_cache(directory: str | None, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
   """Turns on JAX's persistent compilation cache in `directory` (default:
   $MARS_JAX_COMPILATION_CACHE, else ~/.cache/mars_jax/jax; "" or "none": off), every
-  compile cached however small -> the directory used."""
+  compile cached however small, the cache bounded to `max_bytes` (JAX evicts the least
+  recently used) -> the directory used. The directory holds executables this process
+  will run, so it, every directory above it and every file in it must be the user's and
+  writable by no one else: `mars_jax.core.private.NotPrivate` says what to fix."""
   import jax  # pylint: disable=import-outside-toplevel
   if directory is None:
     directory = os.environ.get(COMPILATION_CACHE_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "mars_jax", "jax")
   if directory in ("", "none"):
     return None
-  os.makedirs(directory, exist_ok=True)
+  what = "--compilation-cache (its executables run in this server)"
+  directory = private_dir(directory, what)
+  check_tree(directory, what)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", max_bytes)
   return directory
 
 
@@ -298,7 +306,7 @@ def run(conn: Connection, args) -> None:
   logging.basicConfig(level=args.log_level.upper(),
                       format="%(asctime)s %(levelname)s engine: %(message)s", force=True)
   try:
-    cache = compilation_cache(args.compilation_cache)
+    cache = compilation_cache(args.compilation_cache, int(args.cache_max_gib * (1 << 30)))
     # pylint: disable=import-outside-toplevel
     from mars_jax.decoding.programs import Programs
     from mars_jax.serve.build import build_server
@@ -383,7 +391,9 @@ class Engine:
     self.on_failure = None   # called when the server must exit: no engine will serve
     self.restarting: str | None = None   # why the engine is being started again
     self.deaths: list[float] = []        # when served engines died (monotonic seconds)
-    self.last_message = 0.0              # when the engine last sent anything (monotonic)
+    self._handled: set = set()           # engine processes whose end was handled
+    self.due_since: float | None = None  # since when a round is owed (monotonic; None: idle)
+    self._watching = False
 
   @property
   def alive(self) -> bool:
@@ -392,49 +402,61 @@ class Engine:
   def start(self) -> None:
     """Spawns the engine process and starts reading its messages."""
     self.loop = asyncio.get_running_loop()
-    self.loaded = self.loop.create_future()
+    if self.loaded is None:   # a restarted engine's facts are the first one's
+      self.loaded = self.loop.create_future()
     ctx = mp.get_context("spawn")
     self._conn, child = ctx.Pipe()
     self._proc = ctx.Process(target=run, args=(child, self.args), name="mars-engine",
                              daemon=True)
     self._proc.start()
     child.close()
-    threading.Thread(target=self._read, name="mars-engine-reader", daemon=True).start()
-    if self.args.watchdog_s > 0 and self.restarting is None:   # one watchdog a server
+    self.due_since = None
+    threading.Thread(target=self._read, args=(self._proc, self._conn),
+                     name="mars-engine-reader", daemon=True).start()
+    if self.args.watchdog_s > 0 and not self._watching:   # one watchdog a server
+      self._watching = True
       self.loop.call_later(1.0, self._watch)
 
   def _watch(self) -> None:
-    """Every second: kills an engine that was ready and has sent nothing for
-    --watchdog-s seconds while requests are open (a hung device, a deadlock); the
-    reader then sees it gone and it is restarted."""
+    """Every second: kills an engine that was ready and has owed a round for
+    --watchdog-s seconds (a hung device, a deadlock): silence counts from the dispatch
+    of work to an idle engine, or from its last round while requests stay open, never
+    across an idle spell. The reader then sees it gone and it is restarted."""
     if self.failure is not None or not self.admitting:
       return
-    quiet = time.monotonic() - self.last_message
+    due = self.due_since
+    quiet = 0.0 if due is None else time.monotonic() - due
     if (self.ready is not None and self.handles and quiet > self.args.watchdog_s
         and self._proc.is_alive()):
       log.error("the engine ended no round for %.0f s with %d requests open "
                 "(--watchdog-s %g); killing it", quiet, len(self.handles),
                 self.args.watchdog_s)
       self._proc.kill()
+      self.due_since = None
     self.loop.call_later(1.0, self._watch)
 
-  def _read(self) -> None:
-    """The reader thread: hands each message to the event loop (one per round)."""
+  def _read(self, proc, conn: Connection) -> None:
+    """The reader thread of one engine process: hands each message to the event loop
+    (one per round), then that process's end, once."""
     try:
       while True:
-        self.loop.call_soon_threadsafe(self._take, self._conn.recv())
+        self.loop.call_soon_threadsafe(self._take, conn.recv(), proc)
     except (EOFError, OSError):
-      self._proc.join(5)
-      self.loop.call_soon_threadsafe(
-          self._gone, f"the engine process exited (status {self._proc.exitcode})")
+      proc.join(5)
+      try:
+        self.loop.call_soon_threadsafe(
+            self._gone, f"the engine process exited (status {proc.exitcode})", proc)
+      except RuntimeError:   # the event loop closed first
+        pass
     except RuntimeError:   # the event loop closed first
       pass
 
-  def _take(self, message) -> None:
-    self.last_message = time.monotonic()
+  def _take(self, message, proc) -> None:
+    if proc is not self._proc:   # a message the dead engine sent before it went
+      return
+    now = time.monotonic()
     if isinstance(message, Round):
       self.metrics = message.metrics
-      now = time.monotonic()
       for fid, event in message.events:
         handle = self.handles.get(fid)
         if handle is None:
@@ -443,12 +465,14 @@ class Engine:
         if isinstance(event, (Done, Error)):
           del self.handles[fid]
         handle.events.put_nowait(event)
+      self.due_since = now if self.handles else None   # the next round is owed from now
     elif isinstance(message, Loaded):
-      self.loaded.set_result(message)
+      if not self.loaded.done():
+        self.loaded.set_result(message)
     elif isinstance(message, Ready):
       self.ready, self.restarting = message, None
     elif isinstance(message, Failed):
-      self._gone(f"the engine could not start: {message.message}")
+      self._gone(f"the engine could not start: {message.message}", proc)
 
   def _time(self, handle: Handle, event, now: float) -> None:
     """Counts the request's latencies as its events arrive."""
@@ -461,16 +485,23 @@ class Engine:
     elif isinstance(event, Done):
       self.latency.request(now - handle.submitted)
 
-  def _gone(self, why: str) -> None:
-    """The engine process ended. One that was serving is started again (its open
-    requests answered 503, retry shortly) unless it died more than `--max-restarts` times
-    within `RESTART_WINDOW_S`; otherwise every open request fails, /health says why, and the
+  def _gone(self, why: str, proc) -> None:
+    """The engine process `proc` ended (its reader saw the pipe close, a send on it
+    failed, or it said it could not start); a death is handled once, for the process
+    that is current (a stale report of an earlier one is dropped). One that was serving,
+    or starting again after such a death, is started again (its open requests answered
+    503, retry shortly) unless engines died more than `--max-restarts` times within
+    `RESTART_WINDOW_S`; otherwise every open request fails, /health says why, and the
     server exits (`on_failure`) when no engine ever served or it gave up. During a
     shutdown an engine that ends is no failure: what it held is answered 503."""
+    if proc is not self._proc or proc in self._handled:
+      return
+    self._handled.add(proc)
+    self.due_since = None
     if not self.admitting:
       self.answer_all("the server shut down before the request finished.", 503)
       return
-    if self.failure is None and self.ready is not None:
+    if self.failure is None and (self.ready is not None or self.restarting is not None):
       now = time.monotonic()
       self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW_S] + [now]
       allowed = self.args.max_restarts
@@ -479,6 +510,8 @@ class Engine:
                   len(self.deaths), allowed, RESTART_WINDOW_S)
         self.answer_all(f"{why}; the engine is restarting, retry shortly.", 503)
         self.ready, self.restarting = None, why
+        if proc.is_alive():   # a send failed on a pipe the process has not closed yet
+          proc.kill()
         self.start()
         return
       why = (f"{why}; the engine died {len(self.deaths)} times in "
@@ -509,10 +542,12 @@ class Engine:
   def _flush(self) -> None:
     commands, self._outbox = self._outbox, []
     if commands and self.failure is None:
+      if self.due_since is None:   # work dispatched to an idle engine: a round is owed
+        self.due_since = time.monotonic()
       try:
         self._conn.send(commands)
       except (BrokenPipeError, OSError):
-        self._gone("the engine process exited")
+        self._gone("the engine process exited", self._proc)
 
   def submit(self, prompt: list[int], **kwargs: Any) -> Handle:
     """Sends a request (`Server.submit`'s arguments) -> its handle; its first event says

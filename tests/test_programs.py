@@ -4,12 +4,15 @@ damaged or its code does not run."""
 
 import functools
 import os
+import pickle
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mars_jax.core import private
 from mars_jax.decoding import programs
 
 
@@ -61,3 +64,82 @@ def test_an_argument_without_arrays_must_be_static():
     return x + y
   with pytest.raises(TypeError, match="static"):
     programs.Programs()(add, jnp.ones(2), 1.0)
+
+
+def test_a_directory_or_file_others_can_write_is_refused_before_anything_is_read(tmp_path):
+  """As ssh treats its keys: a store directory that its group or others can write, or
+  that sits in such a directory, and a file that another user owns or others can write,
+  are refused with the fix; nothing planted is unpickled."""
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  shared.chmod(0o777)
+  with pytest.raises(private.NotPrivate, match=r"chmod go-w .*shared"):
+    programs.Programs(str(shared))
+  with pytest.raises(private.NotPrivate, match=r"sits in .*shared"):
+    programs.Programs(str(shared / "store"))
+  store = tmp_path / "store"
+  _call(programs.Programs(str(store)))
+  assert oct(store.stat().st_mode & 0o777) == "0o700"   # made private
+  (path,) = [store / f for f in os.listdir(store)]
+  path.write_bytes(pickle.dumps(Planted(tmp_path / "planted")))
+  for change in (lambda: path.chmod(0o666), lambda: os.chown(path, 4242, 4242)):
+    path.chmod(0o600)
+    change()
+    with pytest.raises(private.NotPrivate, match=str(path)):
+      _call(programs.Programs(str(store)))
+    assert not (tmp_path / "planted").exists()
+  os.chown(path, os.getuid(), os.getgid())
+  store.chmod(0o770)
+  with pytest.raises(private.NotPrivate, match="mode 770"):
+    programs.Programs(str(store))
+
+
+class Planted:
+  """A pickle that runs a shell command when it is loaded."""
+
+  def __init__(self, target):
+    self.target = target
+
+  def __reduce__(self):
+    return (os.system, (f"touch {self.target}",))
+
+
+def test_the_salt_covers_jax_flags_flax_and_the_cpu():
+  """A program compiled with JAX_ENABLE_X64 is another program: its salt differs."""
+  plain = programs.salt()
+  was = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", not was)
+  try:
+    assert programs.salt() != plain
+  finally:
+    jax.config.update("jax_enable_x64", was)
+  assert programs.salt() == plain
+  assert "flax" not in plain and programs.metadata.version("flax") in plain
+  assert programs._cpu()   # the CPU's model and features
+
+
+def test_stale_temporary_files_go_and_the_store_keeps_its_bound_least_recent_first(tmp_path):
+  """Temporary files of a dead writer (or, unnamed, an hour old) are removed at start;
+  a live writer's, a young one and the user's own files are kept. Past max_bytes the
+  least recently used executables go, never the one just written."""
+  tmp_path.chmod(0o700)
+  dead = tmp_path / ".tmp-999999999-abc"
+  alive = tmp_path / f".tmp-{os.getpid()}-abc"
+  old, young, mine = tmp_path / ".tmp-xyz", tmp_path / ".tmp-qrs", tmp_path / "notes.xla"
+  for f in (dead, alive, old, young, mine):
+    f.write_bytes(b"x")
+  os.utime(old, (time.time() - 7200,) * 2)
+  store = programs.Programs(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == sorted(f.name for f in (alive, young, mine))
+  _call(store, n=4)
+  size = max(f.stat().st_size for f in tmp_path.glob("affine-*.xla"))
+  first = next(tmp_path.glob("affine-*.xla"))
+  os.utime(first, (time.time() - 100,) * 2)
+  store.max_bytes = 2 * size + size // 2   # room for two
+  _call(store, n=8)
+  _call(store, n=16)
+  kept = sorted(tmp_path.glob("affine-*.xla"))
+  assert len(kept) == 2 and first not in kept and mine.exists()
+  again = programs.Programs(str(tmp_path))
+  _call(again, n=4)     # the evicted variant compiles again
+  assert (again.compiled, again.loaded) == (1, 0)

@@ -15,13 +15,21 @@ executable. JAX's persistent compilation cache only skips XLA's compile: every s
 still traces and lowers each variant, which is most of a warm start (docs/serving.md).
 
 A file's name is a hash of the variant (the function, its static arguments, the
-inputs' shapes and dtypes) salted with what else decides the program: the jax and
-jaxlib versions, the backend and device kind, XLA_FLAGS, and the source of the
-mars_jax package (an edit of any module makes a new set). A file that fails to load
+inputs' shapes and dtypes) salted with what else decides the program: the jax, jaxlib
+and flax versions, JAX's config flags (JAX_ENABLE_X64 among them), the backend and
+device kind, the CPU's model and instruction-set features, XLA_FLAGS, and the source of
+the mars_jax package (an edit of any module makes a new set). A file that fails to load
 (truncated, another jaxlib), or to run at its first call (code missing from it: XLA's
 "Function ... not found"), is compiled again and replaced, with a warning. That code
 is missing from an XLA:CPU executable read from JAX's compilation cache, so the
 programs here are compiled with that cache off.
+
+The files are unpickled, so whoever can write them can run code in this process: the
+directory (and each directory above it) must be the user's and writable by no one else,
+and so must each file before it is read (`mars_jax.core.private`; `NotPrivate` says the
+fix). The store is bounded: past `max_bytes`, the least recently used files (a load or a
+write marks a file used) are removed; so are temporary files that a killed process left.
+Nothing else in the directory is touched.
 
 One device only: an input placed on a mesh is refused (a mesh server calls its
 programs through jit).
@@ -34,7 +42,10 @@ import hashlib
 import logging
 import os
 import pickle
+import platform
+import re
 import tempfile
+import time
 from importlib import metadata
 from typing import Any, Callable
 
@@ -43,7 +54,14 @@ import numpy as np
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
+from mars_jax.core.private import check_file, private_dir
+
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 4 << 30   # the store's size, past which the least recent files go
+STALE_TMP_S = 3600.0          # a temporary file without a live writer, older than this
+_FILE = re.compile(r"^[A-Za-z0-9_]+-[0-9a-f]{40}\.xla$")   # the names `_path` gives
+_TMP = re.compile(r"^\.tmp-(?:(\d+)-)?[A-Za-z0-9_]+$")   # mkstemp's, with the writer's pid
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,12 +79,29 @@ def _source_hash() -> str:
   return digest.hexdigest()
 
 
+def _cpu() -> str:
+  """The CPU's model and instruction-set features (what XLA:CPU compiles for)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                  if ":" in line)
+    return " ".join(info.get(k, "").strip() for k in ("model name", "flags", "Features"))
+  except OSError:
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _jax_flags() -> str:
+  """JAX's config flags, bar those of its caches (`Programs` turns one off to compile)."""
+  return repr(sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k))
+
+
 def salt() -> str:
-  """What decides a program besides its variant: versions, backend, device, flags,
-  the package's source."""
+  """What decides a program besides its variant: versions, JAX's flags, backend, device,
+  CPU, XLA_FLAGS, the package's source."""
   device = jax.devices()[0]
-  return repr((jax.__version__, metadata.version("jaxlib"), jax.default_backend(),
-               device.device_kind, os.environ.get("XLA_FLAGS", ""), _source_hash()))
+  return repr((jax.__version__, metadata.version("jaxlib"), metadata.version("flax"),
+               _jax_flags(), jax.default_backend(), device.device_kind, _cpu(),
+               os.environ.get("XLA_FLAGS", ""), _source_hash()))
 
 
 def _signature(value: Any) -> tuple | None:
@@ -90,13 +125,16 @@ def _signature(value: Any) -> tuple | None:
 class Programs:
   """The executables of jitted functions' variants (see the module doc).
 
-  directory: where executables are read and written (None: kept in memory only).
+  directory: where executables are read and written (None: kept in memory only), made
+  0700 when missing, and refused (`NotPrivate`) when another user could write it;
+  max_bytes: the store's size bound (least recently used files removed past it).
   loaded, compiled: variants this process read from the directory, and compiled."""
 
-  def __init__(self, directory: str | None = None):
-    self.directory = directory and os.path.expanduser(directory)
+  def __init__(self, directory: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
+    self.directory = directory and private_dir(directory, "the executable store")
+    self.max_bytes = max_bytes
     if self.directory:
-      os.makedirs(self.directory, exist_ok=True)
+      self._remove_stale()
     self._salt: str | None = None
     self._compiled: dict[tuple, Any] = {}
     self._constants: dict[int, tuple[Any, tuple]] = {}
@@ -164,10 +202,12 @@ class Programs:
   def _load_or_compile(self, fn: Callable, key: tuple, args, kwargs, dynamic):
     path = self._path(key)
     if path and os.path.exists(path):
+      check_file(path, "the executable store")   # unpickled below: refuse a planted one
       try:
         with open(path, "rb") as f:
           payload, in_tree, out_tree = pickle.load(f)
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        os.utime(path)   # used now: the last to be evicted
         self.loaded += 1
         self._untried.add(key)
         return compiled
@@ -182,7 +222,7 @@ class Programs:
     self.compiled += 1
     if path:
       blob = pickle.dumps(serialize_executable.serialize(compiled))
-      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".tmp-{os.getpid()}-")
       try:
         with os.fdopen(fd, "wb") as f:
           f.write(blob)
@@ -190,7 +230,64 @@ class Programs:
       except BaseException:
         os.unlink(tmp)
         raise
+      self._evict(keep=path)
     return compiled
+
+  def _remove_stale(self) -> None:
+    """Removes the temporary files of writers that are gone (killed mid-write): those
+    naming a process that no longer runs, and unnamed ones older than `STALE_TMP_S`."""
+    now = time.time()
+    for name in os.listdir(self.directory):
+      match = _TMP.match(name)
+      if not match:
+        continue
+      path = os.path.join(self.directory, name)
+      try:
+        if match.group(1) is not None:
+          if _running(int(match.group(1))):
+            continue
+        elif now - os.lstat(path).st_mtime < STALE_TMP_S:
+          continue
+        os.unlink(path)
+        log.info("removed %s, a temporary file its writer left", path)
+      except FileNotFoundError:
+        pass
+
+  def _evict(self, keep: str) -> None:
+    """Removes the least recently used executables (oldest mtime first) until the store
+    holds at most `max_bytes`; never `keep` (the one just written), nor any file whose
+    name `_path` does not give."""
+    files = []
+    for name in os.listdir(self.directory):
+      if _FILE.match(name):
+        path = os.path.join(self.directory, name)
+        try:
+          st = os.lstat(path)
+        except FileNotFoundError:
+          continue
+        files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+      if total <= self.max_bytes:
+        break
+      if path == keep:
+        continue
+      try:
+        os.unlink(path)
+      except FileNotFoundError:
+        pass
+      total -= size
+      log.info("evicted %s (the store holds at most %d MiB)", path, self.max_bytes >> 20)
+
+
+def _running(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:   # another user's process
+    return True
+  return True
 
 
 @contextlib.contextmanager

@@ -106,7 +106,8 @@ def build_server(args, cache: str | None = None):
     log.info("batch: %s (--batch-size to choose)", reason)
   programs = cost_path = None
   if cache and model.mesh is None and drafter is None:
-    programs = Programs(os.path.join(cache, "executables"))
+    programs = Programs(os.path.join(cache, "executables"),
+                        max_bytes=int(args.cache_max_gib * (1 << 30)))
   if args.cost_table:
     cost_path = args.cost_table
   elif programs is not None and not fixed:

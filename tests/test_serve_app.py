@@ -5,11 +5,19 @@ names and vLLM's.
 (Through a real server and client: tests/test_http_server.py.)"""
 
 import argparse
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
 
+import pytest
 from fastapi.testclient import TestClient
 
+from mars_jax.benchmarks.serve_procs import free_port
 from mars_jax.serve import app as serve_app
 from mars_jax.serve.engine import Accepted, Engine, Handle, Loaded, Ready
+from mars_jax.serve.http_limits import limited_protocol
 
 KEY = "sk-test-123"
 
@@ -95,7 +103,14 @@ class Stalled(Engine):
     return handle
 
   def cancel(self, handle):
-    self.cancelled.append(handle.request_id)
+    if self.handles.pop(handle.request_id, None) is not None:
+      self.cancelled.append(handle.request_id)
+
+  def start(self):   # no engine process: the app's lifespan starts nothing
+    pass
+
+  async def stop(self, timeout=30.0):
+    pass
 
 
 class Known:
@@ -116,3 +131,113 @@ def test_a_request_past_the_timeout_is_cancelled_and_answered_504():
   r = http.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3]})
   assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
   assert engine.cancelled == [0]
+
+
+def in_event_loop() -> bool:
+  try:
+    asyncio.get_running_loop()
+    return True
+  except RuntimeError:
+    return False
+
+
+class SlowTokenizer:
+  """Blocks every encode until `go` is set (a long prompt being tokenized)."""
+
+  def __init__(self):
+    self.go, self.started = threading.Event(), threading.Semaphore(0)
+
+  def encode(self, text, add_special_tokens=False):
+    self.started.release()
+    self.go.wait(30)
+    return [1, 2]
+
+
+def test_requests_still_tokenizing_count_against_max_queued_and_big_bodies_parse_off_the_loop(
+    monkeypatch):
+  """max_queued 1 over 2 rows: 3 requests held in tokenizing fill rows and queue, the
+  4th is answered 503 at once. A body past INLINE_PARSE_BYTES (a long id list) is parsed
+  in a worker thread, not on the event loop."""
+  engine = Stalled()
+  tokenizer = SlowTokenizer()
+  engine.loaded = type("K", (), {"done": staticmethod(lambda: True), "result": staticmethod(
+      lambda: dataclasses.replace(Known.result(), tokenizer=tokenizer, max_batch=2))})()
+  app = serve_app.create_app(engine, model_name="m", max_queued=1, sampling_defaults={},
+                             request_timeout=0.2)
+  threads = []
+  parse = serve_app.protocol.parse_completion
+  monkeypatch.setattr(serve_app.protocol, "parse_completion", lambda body, **kw: (
+      threads.append(in_event_loop()) or parse(body, **kw)))
+  with TestClient(app) as http:
+    held = [threading.Thread(target=http.post, args=("/v1/completions",), kwargs=dict(
+        json={"model": "m", "prompt": "text"})) for _ in range(3)]
+    for t in held:
+      t.start()
+    for _ in held:
+      assert tokenizer.started.acquire(timeout=30)
+    r = http.post("/v1/completions", json={"model": "m", "prompt": "text"})
+    assert r.status_code == 503 and "--max-queued" in r.json()["error"]["message"], r.text
+    tokenizer.go.set()
+    for t in held:
+      t.join(30)
+    big = http.post("/v1/completions", json={"model": "m", "prompt": [7] * 40000})
+    assert big.status_code == 400 and "40000 tokens" in big.text   # parsed, then refused
+  assert engine.rejected == 1 and threads[-1] is False and True in threads, threads
+
+
+@pytest.fixture
+def limited_server():
+  """The app (over an engine that never started) under uvicorn with a 1 s header
+  deadline, a 1 s body deadline and at most 3 connections -> its port."""
+  import uvicorn
+  engine = Engine(argparse.Namespace())
+  engine.loaded = NotStarted()
+  app = serve_app.create_app(engine, model_name="m", max_queued=4, sampling_defaults={},
+                             body_timeout=1.0)
+  port = free_port()
+  config = uvicorn.Config(app, port=port, log_level="error", lifespan="off",
+                          http=limited_protocol(header_timeout=1.0, max_connections=3))
+  server = uvicorn.Server(config)
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  deadline = time.time() + 30
+  while not server.started:
+    assert time.time() < deadline
+    time.sleep(0.05)
+  yield port
+  server.should_exit = True
+  thread.join(10)
+
+
+def _read_all(sock) -> bytes:
+  sock.settimeout(10)
+  data = b""
+  while True:
+    got = sock.recv(65536)
+    if not got:
+      return data
+    data += got
+
+
+def test_slow_headers_slow_bodies_and_connections_past_the_cap_are_refused(limited_server):
+  port = limited_server
+  slow_headers = socket.create_connection(("127.0.0.1", port))
+  slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")   # never ends
+  slow_body = socket.create_connection(("127.0.0.1", port))
+  slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: 100\r\n\r\n{\"mo")
+  idle = socket.create_connection(("127.0.0.1", port))
+  time.sleep(0.3)
+  extra = socket.create_connection(("127.0.0.1", port))   # the 4th: refused at once
+  got = _read_all(extra)
+  assert got.startswith(b"HTTP/1.1 503") and b"--max-connections" in got, got
+  got = _read_all(slow_headers)
+  assert got.startswith(b"HTTP/1.1 408") and b"--header-timeout" in got, got
+  got = _read_all(slow_body)
+  assert b" 408 " in got.split(b"\r\n")[0] and b"--body-timeout" in got, got
+  assert _read_all(idle).startswith(b"HTTP/1.1 408")   # no request at all: closed too
+  ok = socket.create_connection(("127.0.0.1", port))   # room again
+  ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nconnection: close\r\n\r\n")
+  assert _read_all(ok).startswith(b"HTTP/1.1 503")     # "starting": served, not refused
+  for sock in (slow_headers, slow_body, idle, extra, ok):
+    sock.close()

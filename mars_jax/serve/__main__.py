@@ -42,7 +42,12 @@ from mars_jax.core import choices, cli
 from mars_jax.core.choices import Metric, Mode
 from mars_jax.decoding import gates
 from mars_jax.serve.build import DEFAULT_MAX_CONTEXT, generation_defaults
+from mars_jax.decoding.programs import DEFAULT_MAX_BYTES
 from mars_jax.serve.protocol import MAX_REQUEST_BYTES
+
+HEADER_TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 1024
 
 API_KEY_ENV = "MARS_JAX_API_KEY"
 
@@ -128,6 +133,15 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--request-timeout", type=float, default=None,
                  help="seconds after which a request is cancelled and answered 504 (a "
                       "stream: an error chunk); default: never")
+  p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                 help="seconds a connection has to send a request's headers; past them, 408 "
+                      "and closed")
+  p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                 help="seconds a request's body has to arrive; past them, 408")
+  p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                 help="seconds an idle keep-alive connection stays open (uvicorn's)")
+  p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                 help="open connections at most; one more is answered 503 and closed")
   p.add_argument("--max-queued", type=int, default=256,
                  help="requests that may wait for a row; past it, 503 with Retry-After")
   p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
@@ -138,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--compilation-cache", default=None,
                  help="JAX's persistent compilation cache directory ('none': off; default: "
                       "$MARS_JAX_COMPILATION_CACHE, else ~/.cache/mars_jax/jax)")
+  p.add_argument("--cache-max-gib", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
+                 help="the most the compilation cache and the saved executables each keep; "
+                      "past it the least recently used go")
   p.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                  help="auto: requests that leave out temperature, top_p or top_k get the "
                       "model's generation_config.json values; none: the OpenAI defaults")
@@ -198,6 +215,11 @@ def main(argv=None) -> None:
               "default).")
   if not 0 < args.memory_utilization <= 1:
     p.error(f"--memory-utilization={args.memory_utilization}; expected a share in (0, 1].")
+  for flag in ("header_timeout", "body_timeout", "timeout_keep_alive", "max_connections"):
+    if getattr(args, flag) <= 0:
+      p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)}; it must be > 0.")
+  if args.cache_max_gib <= 0:
+    p.error(f"--cache-max-gib={args.cache_max_gib}; it must be > 0.")
   if args.max_queued < 0:
     p.error(f"--max-queued={args.max_queued}; it must be >= 0.")
   if args.warmup and (args.drafter or args.mesh):
@@ -212,6 +234,7 @@ def main(argv=None) -> None:
   import uvicorn
   from mars_jax.serve.app import create_app
   from mars_jax.serve.engine import Engine
+  from mars_jax.serve.http_limits import limited_protocol
 
   log.info("requests that leave them out get %s", defaults or "the OpenAI API's sampling "
            "defaults (temperature 1)")
@@ -220,14 +243,17 @@ def main(argv=None) -> None:
   app = create_app(engine, model_name=name, max_queued=args.max_queued,
                    sampling_defaults=defaults, api_key=args.api_key or None,
                    max_request_bytes=args.max_request_bytes,
-                   request_timeout=args.request_timeout)
+                   request_timeout=args.request_timeout, body_timeout=args.body_timeout)
   # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again for
   # the handler it found: a no-op here, so the process ends by returning (exit status 0)
   # after the engine has stopped.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
   config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                          loop="uvloop", http="httptools",
+                          loop="uvloop", http=limited_protocol(
+                              header_timeout=args.header_timeout,
+                              max_connections=args.max_connections),
+                          timeout_keep_alive=args.timeout_keep_alive,
                           timeout_graceful_shutdown=args.shutdown_timeout)
   server = _Uvicorn(config, engine, args.shutdown_timeout)
   engine.on_failure = lambda: setattr(server.server, "should_exit", True)

@@ -45,6 +45,7 @@ from mars_jax.serve.text_stream import TextStream
 
 DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = 1
+INLINE_PARSE_BYTES = 64 << 10   # bodies up to this are parsed on the event loop
 
 
 def encode(tokenizer, spec: Spec) -> list[int]:
@@ -181,14 +182,17 @@ class _Streamed(StreamingResponse):
 def create_app(engine: Engine, *, model_name: str, max_queued: int,
                sampling_defaults: dict, api_key: str | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES,
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None,
+               body_timeout: float = 60.0) -> FastAPI:
   """The API over `engine` (started and stopped with the app's lifespan).
   max_queued: requests that may wait for a row beyond the batch's rows;
   sampling_defaults: temperature, top_p, top_k for requests that leave them out;
   api_key: what the /v1 endpoints require as `Authorization: Bearer <key>` (None: no
   key); max_request_bytes: the largest request body (413 past it); request_timeout:
-  seconds after which a request is cancelled and answered 504 (None: never)."""
+  seconds after which a request is cancelled and answered 504 (None: never);
+  body_timeout: seconds a request's body may take to arrive (408 past them)."""
   created = int(time.time())
+  tokenizing = 0   # requests between their checks and their submit (templating, tokenizing)
 
   def timed_out(handle: Handle) -> str | None:
     """Why the request must end now (it ran past request_timeout), or None."""
@@ -264,8 +268,9 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     return PlainTextResponse(metrics_text(engine, model_name, drafter),
                              media_type="text/plain; version=0.0.4")
 
-  async def body_of(request: Request):
-    """The request's JSON, read at most `max_request_bytes` far (413 past it)."""
+  async def body_of(request: Request) -> bytes:
+    """The request's body, read at most `max_request_bytes` far (413 past it) and within
+    `body_timeout` seconds (408 past it: a client trickling it in holds a connection)."""
     authorize(request)
     too_big = RequestError(f"the request body exceeds {max_request_bytes} bytes "
                            "(--max-request-bytes).", status=413)
@@ -273,30 +278,49 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     if declared.isdigit() and int(declared) > max_request_bytes:
       raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-      size += len(chunk)
-      if size > max_request_bytes:
-        raise too_big
-      chunks.append(chunk)
-    raw = b"".join(chunks)
     try:
-      return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise RequestError(f"the request body is not valid JSON: {e}.") from e
+      async with asyncio.timeout(body_timeout):
+        async for chunk in request.stream():
+          size += len(chunk)
+          if size > max_request_bytes:
+            raise too_big
+          chunks.append(chunk)
+    except TimeoutError as e:
+      raise RequestError(f"the request body did not arrive within {body_timeout:g} s "
+                         "(--body-timeout).", status=408) from e
+    return b"".join(chunks)
+
+  async def parsed(request: Request, parse: Callable[..., Spec]) -> Spec:
+    """The checked request (`parse` over the body's JSON); a large body is parsed in a
+    worker thread, so that a 16 MiB list of token ids stalls no stream."""
+    raw = await body_of(request)
+
+    def run() -> Spec:
+      try:
+        body = json.loads(raw)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}.") from e
+      return parse(body, model_name=model_name)
+    return run() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(run)
 
   async def start(request: Request, spec: Spec) -> tuple[Handle, Loaded]:
     """Submits the request and waits for the engine to take it (a round at most) ->
     its handle; RequestError when it is refused."""
+    nonlocal tokenizing
     known = facts()
-    # templating and tokenizing in a worker thread: a long prompt stalls no stream
-    prompt = await asyncio.to_thread(encode, known.tokenizer, spec)
-    known = facts()   # the engine may have gone meanwhile
-    # counted with nothing awaited before the submit, so concurrent requests see each other
-    waiting = len(engine.handles) - known.max_batch
+    # counted with nothing awaited before, so concurrent requests see each other: those
+    # queued in the engine and those still being templated and tokenized here
+    waiting = len(engine.handles) + tokenizing - known.max_batch
     if waiting >= max_queued:
       engine.rejected += 1
       raise RequestError(f"{waiting} requests are waiting for a row (--max-queued "
                          f"{max_queued}); retry later.", status=503, kind="server_error")
+    tokenizing += 1
+    try:   # templating and tokenizing in a worker thread: a long prompt stalls no stream
+      prompt = await asyncio.to_thread(encode, known.tokenizer, spec)
+    finally:
+      tokenizing -= 1
+    known = facts()   # the engine may have gone meanwhile
     try:
       handle = engine.submit(prompt, **submit_kwargs(known, spec, prompt))
     except RuntimeError as e:
@@ -378,12 +402,10 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    return await answer(request, protocol.parse_completion(await body_of(request),
-                                                           model_name=model_name))
+    return await answer(request, await parsed(request, protocol.parse_completion))
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
-    return await answer(request, protocol.parse_chat(await body_of(request),
-                                                     model_name=model_name))
+    return await answer(request, await parsed(request, protocol.parse_chat))
 
   return app

@@ -1,7 +1,8 @@
 """The HTTP front end's own gates, in process over an engine that never started (no model,
 no compile): the API key, the request-size limit, the 503 of a starting server on every
-/v1 endpoint, the per-request timeout, and the latency histograms of /metrics under our
-names and vLLM's.
+/v1 endpoint, the per-request timeout, the queue counting requests still tokenizing,
+bodies parsed off the event loop, header and body deadlines and the connection cap
+(under uvicorn), and /metrics under our names and vLLM's.
 (Through a real server and client: tests/test_http_server.py.)"""
 
 import argparse
@@ -67,22 +68,40 @@ def test_a_body_past_the_limit_is_answered_413_declared_or_streamed():
   assert small.status_code == 503   # read whole, then: the engine is starting
 
 
-def test_metrics_have_the_latency_histograms_under_both_names():
+def test_metrics_have_vllms_names_with_the_mars_meaning_of_spec_decoding():
   http, engine = client()
   engine.latency.first_token(0.03)
   engine.latency.first_token(3.0)
   engine.latency.between_tokens(0.3, tokens=3)
   engine.latency.request(4.0)
+  engine.metrics.spec.count(3, 3)   # a W = 3 step that committed 3 tokens
+  engine.metrics.spec.count(3, 2)
+  engine.metrics.spec.count(1, 1)   # W = 1: no draft
+  engine.metrics.requests = {"eos": 2, "stop": 1, "length": 4}
+  engine.metrics.queue_time.observe(0.4)
   text = http.get("/metrics").text
-  for name in ("mars_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"):
-    assert f'{name}_bucket{{model="m",le="0.04"}} 1' in text
-    assert f'{name}_bucket{{model="m",le="+Inf"}} 2' in text
-    assert f'{name}_count{{model="m"}} 2' in text
+  for name, label in (("mars_time_to_first_token_seconds", 'model="m"'),
+                      ("vllm:time_to_first_token_seconds", 'model_name="m"')):
+    assert f'{name}_bucket{{{label},le="0.04"}} 1' in text
+    assert f'{name}_bucket{{{label},le="+Inf"}} 2' in text
+    assert f'{name}_count{{{label}}} 2' in text
     assert f"# TYPE {name} histogram" in text
-  for name in ("mars_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"):
-    assert f'{name}_bucket{{model="m",le="0.1"}} 3' in text   # 3 tokens 0.1 s apart
-    assert f'{name}_count{{model="m"}} 3' in text
-  assert 'vllm:e2e_request_latency_seconds_bucket{model="m",le="5.0"} 1' in text
+  for name, label in (("mars_inter_token_latency_seconds", 'model="m"'),
+                      ("vllm:inter_token_latency_seconds", 'model_name="m"')):
+    assert f'{name}_bucket{{{label},le="0.1"}} 3' in text   # 3 tokens 0.1 s apart
+    assert f'{name}_count{{{label}}} 3' in text
+  assert 'vllm:e2e_request_latency_seconds_bucket{model_name="m",le="5.0"} 1' in text
+  for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2',
+               'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 4',
+               'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 3',
+               'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2',
+               'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1',
+               'vllm:request_success_total{model_name="m",finish_reason="stop"} 3',
+               'vllm:request_success_total{model_name="m",finish_reason="length"} 4',
+               'vllm:request_queue_time_seconds_bucket{model_name="m",le="0.5"} 1',
+               'vllm:num_requests_running{model_name="m"} 0',
+               'vllm:kv_cache_usage_perc{model_name="m"} 0.0'):
+    assert line in text, line
 
 
 class Stalled(Engine):

@@ -161,11 +161,13 @@ def check_sampling(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
 
 def controls(n: int, rows: int, *, tau=1.0, metric: Metric | Sequence[Metric] = "probability",
              temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token_ids=(),
-             window=0, lossless=False, stop_width: int | None = None) -> Controls:
+             window=0, lossless=False, min_p=0.0, ignore_eos=False,
+             stop_width: int | None = None) -> Controls:
   """The `loop.Controls` of n prompts in the first n of `rows` rows (the rest padding);
   each argument one value, or one per prompt (stop_token_ids: one id list, or one per
   prompt). window: tokens per forward at most (0: the step's W); lossless: verified,
-  not gated (under the lossless kernel). stop_width: stop ids per row (default: a
+  not gated (under the lossless kernel); min_p: the min-p cut (0: off); ignore_eos: EOS
+  does not end the sample. stop_width: stop ids per row (default: a
   power of two >= STOP_BUCKET that holds them; a state's width when inserting into
   it)."""
   def pad(values, fill=0):
@@ -174,6 +176,9 @@ def controls(n: int, rows: int, *, tau=1.0, metric: Metric | Sequence[Metric] = 
             per_prompt(top_k, n, "top_k", np.int64), per_prompt(top_p, n, "top_p", np.float64),
             per_prompt(seed, n, "seed", np.int64)]
   check_sampling(*sample)
+  min_ps = per_prompt(min_p, n, "min_p", np.float64)
+  if np.any(~((min_ps >= 0) & (min_ps <= 1))):
+    raise ValueError(f"min_p={min_ps.tolist()}; expected values in [0, 1] (0: off).")
   caps = per_prompt(window, n, "window", np.int32)
   if np.any(caps < 0):
     raise ValueError(f"window={caps.tolist()}; a sample's window must be >= 1 (0: the "
@@ -192,7 +197,9 @@ def controls(n: int, rows: int, *, tau=1.0, metric: Metric | Sequence[Metric] = 
                   top_p=pad(sample[2].astype(np.float32), 1.0),
                   seed=pad(sample[3].astype(np.uint32)), stop_ids=stop_ids,
                   window=pad(caps),
-                  lossless=pad(per_prompt(lossless, n, "lossless", bool)))
+                  lossless=pad(per_prompt(lossless, n, "lossless", bool)),
+                  min_p=pad(min_ps.astype(np.float32)),
+                  ignore_eos=pad(per_prompt(ignore_eos, n, "ignore_eos", bool)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Which token each slot commits or proposes: greedy, or sampled (pure functions).
 
-A sample's controls: temperature T (0: greedy), top_k (0: off), top_p (1.0: off)
-and a seed. The warped distribution q of one slot is, in this order (as
+A sample's controls: temperature T (0: greedy), top_k (0: off), top_p (1.0: off),
+min_p (0: off) and a seed. The warped distribution q of one slot is, in this order (as
 transformers' logits warpers):
 
   s = logits / T                      temperature
@@ -9,6 +9,8 @@ transformers' logits warpers):
   keep the nucleus: with p the softmax of the kept s, token i stays when the mass of
   the tokens before it (sorted by s, descending) is < top_p; every token tied with
   the last one kept stays
+  keep s >= max s + log(min_p)        min-p (tokens at least min_p times as likely as
+                                      the likeliest)
   q = softmax over the kept s
 
 A draw from q is the Gumbel-max `argmax(kept s + g)`, with `g` Gumbel noise that is
@@ -139,26 +141,39 @@ def noise(seed: Array, positions: Array, vocab: int) -> Array:
   return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(seed, positions)
 
 
-def warp(logits: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
-  """The warped logits (temperature, then the top-k/top-p cut when any row asks for it;
-  greedy rows, T == 0, are not cut). Shapes as `cut`; temperature: float32[b]."""
+def min_p_cut(scaled: Array, min_p: Array) -> Array:
+  """-inf where a token is less than min_p times as likely as the slot's likeliest
+  (min_p 0: nothing cut). scaled: float32[b, k, vocab]; min_p: float32[b]."""
+  floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None, None]
+  return jnp.where((min_p > 0)[:, None, None] & (scaled < floor), -jnp.inf, scaled)
+
+
+def warp(logits: Array, temperature: Array, top_k: Array, top_p: Array,
+         min_p: Array | None = None) -> Array:
+  """The warped logits (temperature, then the top-k/top-p cut, then min-p, each when any
+  row asks for it; greedy rows, T == 0, are not cut). Shapes as `cut`; temperature,
+  min_p: float32[b] (min_p None: off)."""
   scaled = scale(logits, temperature)
   top_k = jnp.where(temperature > 0, top_k, 0)
   top_p = jnp.where(temperature > 0, top_p, 1.0)
   needs_cut = jnp.any(((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0))
-  return jax.lax.cond(needs_cut, cut, lambda s, k, p: s, scaled, top_k, top_p)
+  warped = jax.lax.cond(needs_cut, cut, lambda s, k, p: s, scaled, top_k, top_p)
+  if min_p is None:
+    return warped
+  min_p = jnp.where(temperature > 0, min_p, 0.0)
+  return jax.lax.cond(jnp.any(min_p > 0), min_p_cut, lambda s, m: s, warped, min_p)
 
 
 def choose(logits: Array, positions: Array, temperature: Array, top_k: Array, top_p: Array,
-           seed: Array) -> Array:
+           seed: Array, min_p: Array | None = None) -> Array:
   """The token of every slot: greedy where T == 0, a draw from q where T > 0.
 
   logits: float32[b, k, vocab]; positions: int32[b, k] (the position each slot's
-  token would take); temperature, top_p: float32[b]; top_k: int32[b]; seed: uint32[b]
-  -> int32[b, k].
+  token would take); temperature, top_p: float32[b]; top_k: int32[b]; seed: uint32[b];
+  min_p: float32[b] (None: off) -> int32[b, k].
   """
   def sampled(logits):
-    drawn = gates.greedy(warp(logits, temperature, top_k, top_p)
+    drawn = gates.greedy(warp(logits, temperature, top_k, top_p, min_p)
                          + noise(seed, positions, logits.shape[-1]))
     return jnp.where((temperature > 0)[:, None], drawn, gates.greedy(logits))
   return jax.lax.cond(jnp.any(temperature > 0), sampled, gates.greedy, logits)

@@ -103,10 +103,14 @@ def model_path(path: str) -> str:
   return stage
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-  """A chat (role/content turns) in the tokenizer's template plus the assistant header."""
-  return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"])
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+  """A chat (role/content turns) in the tokenizer's template plus the assistant header
+  (unless add_generation_prompt is false); template_kwargs: the template's extra
+  variables (Qwen3's enable_thinking)."""
+  return list(tokenizer.apply_chat_template(
+      list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+      return_dict=True, **template_kwargs)["input_ids"])
 
 
 def trained_block_size(path: str) -> int | None:

@@ -121,6 +121,8 @@ class Controls:
   lossless: bool[b]: the sample is verified (lossless) rather than gated; read by the
     lossless kernel only, so one batch mixes both modes (a gated kernel treats every
     sample as gated: run it only when no sample is lossless).
+  min_p: float32[b]: the min-p cut (0: off; `draws.warp`).
+  ignore_eos: bool[b]: EOS does not end the sample (its stop ids still do).
   """
   tau: Array
   metric: Array
@@ -131,6 +133,8 @@ class Controls:
   stop_ids: Array
   window: Array
   lossless: Array
+  min_p: Array
+  ignore_eos: Array
 
 
 def control_axes() -> Controls:
@@ -225,6 +229,14 @@ def feed(config: Qwen2Config, runtime: Runtime, params, seq: Array, cache, curso
   return jnp.take_along_axis(hidden, out_slots[..., None], axis=1), cache
 
 
+def end_ids(eos_ids: Array, c: Controls) -> Array:
+  """The tokens that end each sample: EOS (unless it ignores EOS) and its stop ids.
+  eos_ids: int32[e]; -> int32[b, e + E] (-1: none)."""
+  batch = c.stop_ids.shape[0]
+  eos = jnp.where(c.ignore_eos[:, None], -1, jnp.broadcast_to(eos_ids, (batch,) + eos_ids.shape))
+  return jnp.concatenate([eos, c.stop_ids], axis=1)
+
+
 def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, eos_ids: Array,
             mask_token_id: Array, *, real_slots: int | Array, window: int, mode: Mode,
             forward=feed, runs: Array | None = None, auto_window: Array | None = None
@@ -273,15 +285,14 @@ def advance(config: Qwen2Config, runtime: Runtime, params, state: DecodeState, e
   logits = qwen2.unembed(config, params, hidden, runtime=runtime)
   budget_left = jnp.where(proposing, state.limit - length, 0)
   proposal = jnp.arange(window)[None]
-  ends = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch,) + eos_ids.shape), c.stop_ids],
-                         axis=1)
+  ends = end_ids(eos_ids, c)
   # The position each output's token fills: the verifying outputs (lossless) or the
   # proposals (gated) from `length` on; lossless MASK slot j's draft at
   # length + drafts_fed + j (the first position after a full match, and on).
   fills = length[:, None] + proposal
   if mode == "lossless":
     fills = jnp.concatenate([fills, (length + drafts_fed)[:, None] + proposal[:, 1:]], axis=1)
-  out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed)
+  out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
   gated_budget = jnp.minimum(budget_left, cap)
   if mode == "lossless":
     verified = out[:, :window]
@@ -341,7 +352,8 @@ def new_controls(batch: int, stop_ids: int = STOP_BUCKET) -> Controls:
   return Controls(tau=ones, metric=zeros, temperature=0 * ones, top_k=zeros, top_p=ones,
                   seed=zeros.astype(np.uint32),
                   stop_ids=np.full((batch, stop_ids), -1, np.int32), window=zeros,
-                  lossless=np.zeros((batch,), bool))
+                  lossless=np.zeros((batch,), bool), min_p=0 * ones,
+                  ignore_eos=np.zeros((batch,), bool))
 
 
 def new_state(config: Qwen2Config, batch: int, cache_len: int, *,

@@ -198,12 +198,11 @@ def verify(target: Model, params, t: DecodeState, d: DecodeState, eos_ids: Array
   logits = qwen2.unembed(target.config, params, hidden,
                          runtime=target.runtime)
   fills = jnp.concatenate([length[:, None] + i, (end + 1)[:, None] + j], axis=1)
-  out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed)
+  out = draws.choose(logits, fills, c.temperature, c.top_k, c.top_p, c.seed, c.min_p)
   verified, proposals = out[:, :k + 1], out[:, k + 1:]
   drafts = jnp.take_along_axis(d.seq, jnp.minimum(length[:, None] + i[:, :k], slots - 1),
                                axis=1)
-  ends = jnp.concatenate([jnp.broadcast_to(eos_ids, (batch,) + eos_ids.shape), c.stop_ids],
-                         axis=1)
+  ends = loop.end_ids(eos_ids, c)
   budget = jnp.where(proposing, t.limit - length, 0)
   accepted, hit_end = gates.verify(verified, drafts, fed, ends, budget)
   new_length = length + accepted

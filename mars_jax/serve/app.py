@@ -8,11 +8,13 @@
   GET  /v1/models            the one model served, with its context and the sampling
                              defaults requests get (the model's generation config);
                              503 like every endpoint until the engine is ready
-  POST /v1/completions       a text prompt (or token ids) -> text
+  POST /v1/completions       a text prompt (or token ids) -> text (logprobs, echo)
   POST /v1/chat/completions  messages, in the model's own chat template -> a reply
-  GET  /metrics              Prometheus text: requests, tokens, forwards, tokens per
-                             forward, running and queued requests, the window in use,
-                             failed rounds, compiles after ready
+  POST /tokenize             vLLM's: a prompt or messages -> their token ids
+  POST /detokenize           vLLM's: token ids -> text
+  GET  /version              {"version": mars_jax's}
+  GET  /metrics              Prometheus text (`mars_jax.serve.metrics`): ours and vLLM's
+                             names
 
 Both POST endpoints stream (server-sent events of OpenAI chunks, then `data: [DONE]`)
 when "stream" is true. A bad request is answered 400 with an OpenAI error body naming
@@ -29,17 +31,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+import mars_jax
 from mars_jax.decoding.loading import chat_prompt_ids
 from mars_jax.serve import protocol
-from mars_jax.serve.engine import Accepted, Done, Engine, Error, Handle, Loaded, Tokens
+from mars_jax.serve.metrics import metrics_text
+from mars_jax.serve.engine import (Accepted, Done, Engine, Error, Handle, Loaded, Scored,
+                                   Tokens)
+from mars_jax.serve.requests import Completion
 from mars_jax.serve.protocol import MAX_REQUEST_BYTES, RequestError, Spec
 from mars_jax.serve.text_stream import TextStream
 
@@ -49,11 +56,12 @@ INLINE_PARSE_BYTES = 64 << 10   # bodies up to this are parsed on the event loop
 
 
 def encode(tokenizer, spec: Spec) -> list[int]:
-  """The prompt's token ids: the chat template with the assistant header, a text
-  prompt as is (no special tokens added), or the ids given."""
+  """The prompt's token ids: the chat template with the assistant header (and the
+  request's chat_template_kwargs), a text prompt as is (no special tokens added), or the
+  ids given."""
   if spec.chat:
     try:
-      return chat_prompt_ids(tokenizer, spec.messages)
+      return chat_prompt_ids(tokenizer, spec.messages, **(spec.chat_template_kwargs or {}))
     except Exception as e:  # the template refused the turns (roles, order)
       raise RequestError(f"the chat template refused 'messages': {e}", "messages") from e
   ids = (tokenizer.encode(spec.prompt, add_special_tokens=False)
@@ -62,6 +70,17 @@ def encode(tokenizer, spec: Spec) -> list[int]:
     raise RequestError("'prompt' encodes to no tokens with this model's tokenizer.",
                        "prompt")
   return ids
+
+
+def tokenize_ids(tokenizer, spec: protocol.Tokenize) -> list[int]:
+  """A /tokenize request's ids: the messages in the chat template, or the prompt."""
+  if spec.messages is None:
+    return tokenizer.encode(spec.prompt, add_special_tokens=spec.add_special_tokens)
+  try:
+    return chat_prompt_ids(tokenizer, spec.messages, spec.add_generation_prompt,
+                           **(spec.chat_template_kwargs or {}))
+  except Exception as e:  # the template refused the turns (roles, order)
+    raise RequestError(f"the chat template refused 'messages': {e}", "messages") from e
 
 
 def submit_kwargs(facts: Loaded, spec: Spec, prompt: list[int]) -> dict:
@@ -84,75 +103,12 @@ def submit_kwargs(facts: Loaded, spec: Spec, prompt: list[int]) -> dict:
   return dict(max_new_tokens=spec.max_tokens or room, tau=spec.tau, metric=spec.gate,
               temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
               seed=spec.seed, stop=list(spec.stop) or None,
-              stop_token_ids=spec.stop_token_ids, window=spec.window, mode=spec.mode)
+              stop_token_ids=spec.stop_token_ids, window=spec.window, mode=spec.mode,
+              min_p=spec.min_p, ignore_eos=spec.ignore_eos)
 
 
 def sse(data: dict | str) -> str:
   return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def metrics_text(engine: Engine, model_name: str, drafter: bool) -> str:
-  """The engine's counters in the Prometheus text format."""
-  m = engine.metrics
-  label = f'model="{model_name}"'
-  lines = []
-
-  def metric(name, kind, help_, samples):
-    lines.extend([f"# HELP mars_{name} {help_}", f"# TYPE mars_{name} {kind}"])
-    lines.extend(f"mars_{name}{{{labels}}} {value}" for labels, value in samples)
-
-  metric("requests_total", "counter", "Requests finished, by finish reason.",
-         [(f'{label},finish_reason="{r}"', n) for r, n in sorted(m.requests.items())]
-         or [(f'{label},finish_reason="stop"', 0)])
-  metric("requests_cancelled_total", "counter", "Requests cancelled (client gone, shutdown).",
-         [(label, m.cancelled)])
-  metric("requests_failed_total", "counter", "Requests a failed round ended.",
-         [(label, m.failed)])
-  metric("rounds_failed_total", "counter", "Rounds that raised (the engine reset and went "
-         "on).", [(label, m.failed_rounds)])
-  metric("requests_rejected_total", "counter", "Requests answered 503 at once: the queue "
-         "was full (--max-queued).", [(label, engine.rejected)])
-  metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [(label, m.prompt_tokens)])
-  metric("generation_tokens_total", "counter", "Tokens generated by finished requests.",
-         [(label, m.generated_tokens)])
-  metric("request_forwards_total", "counter",
-         "Forwards the finished requests took part in (summed over requests).",
-         [(label, m.request_forwards)])
-  metric("tokens_per_forward", "gauge", "generation_tokens_total / request_forwards_total.",
-         [(label, round(m.generated_tokens / max(m.request_forwards, 1), 4))])
-  metric("batch_forwards_total", "counter", "Forwards run for the whole batch.",
-         [(label, m.steps)])
-  if drafter:
-    metric("drafter_forwards_total", "counter",
-           "Drafter forwards the finished requests drafted in (summed over requests).",
-           [(label, m.drafter_forwards)])
-  metric("rounds_total", "counter", "Rounds of decoding steps.", [(label, m.rounds)])
-  metric("requests_running", "gauge", "Requests decoding now.", [(label, m.running)])
-  metric("requests_queued", "gauge", "Requests waiting for a row.", [(label, m.queued)])
-  metric("window", "gauge", "Proposals per forward W of the last round.", [(label, m.window)])
-  metric("batch_rows", "gauge", "Rows of the compiled batch of the last round.",
-         [(label, m.batch)])
-  if m.kv_pages:
-    metric("forward_tokens_total", "counter", "Tokens the forwards ran in their flat "
-           "batches (padding excluded).", [(label, m.forward_tokens)])
-    metric("kv_cache_pages", "gauge", "Pages of the KV pool.", [(label, m.kv_pages)])
-    metric("preemptions_total", "counter", "Requests preempted for want of KV pages "
-           "(resumed where they were).", [(label, m.preemptions)])
-    metric("kv_cache_pages_used", "gauge", "Pages of the KV pool that requests hold.",
-           [(label, m.kv_pages_used)])
-    metric("kv_cache_pages_cached", "gauge", "Pages of the KV pool that hold a prefix-cache "
-           "entry (held or free to evict).", [(label, m.kv_pages_cached)])
-    metric("kv_cache_usage_perc", "gauge", "kv_cache_pages_used / kv_cache_pages.",
-           [(label, round(m.kv_pages_used / m.kv_pages, 6))])
-    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix "
-           "cache.", [(label, m.prefix_query_tokens)])
-    metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache "
-           "(their prefill skipped).", [(label, m.prefix_hit_tokens)])
-  metric("compiles_after_ready_total", "counter",
-         "XLA programs lowered after the server said it was ready.",
-         [(label, m.compiles_after_ready)])
-  lines += engine.latency.text(label)
-  return "\n".join(lines) + "\n"
 
 
 class _Streamed(StreamingResponse):
@@ -290,7 +246,7 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
                          "(--body-timeout).", status=408) from e
     return b"".join(chunks)
 
-  async def parsed(request: Request, parse: Callable[..., Spec]) -> Spec:
+  async def parsed(request: Request, parse: Callable[..., Any]) -> Any:
     """The checked request (`parse` over the body's JSON); a large body is parsed in a
     worker thread, so that a 16 MiB list of token ids stalls no stream."""
     raw = await body_of(request)
@@ -303,28 +259,35 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
       return parse(body, model_name=model_name)
     return run() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(run)
 
-  async def start(request: Request, spec: Spec) -> tuple[Handle, Loaded]:
-    """Submits the request and waits for the engine to take it (a round at most) ->
-    its handle; RequestError when it is refused."""
+  async def encoded(spec: Spec) -> tuple[list[int], Loaded]:
+    """The request's prompt ids, templated and tokenized in a worker thread (a long
+    prompt stalls no stream), and the facts: 503 past --max-queued, counting requests
+    queued in the engine and those still being tokenized here."""
     nonlocal tokenizing
     known = facts()
-    # counted with nothing awaited before, so concurrent requests see each other: those
-    # queued in the engine and those still being templated and tokenized here
+    # counted with nothing awaited before, so concurrent requests see each other
     waiting = len(engine.handles) + tokenizing - known.max_batch
     if waiting >= max_queued:
       engine.rejected += 1
       raise RequestError(f"{waiting} requests are waiting for a row (--max-queued "
                          f"{max_queued}); retry later.", status=503, kind="server_error")
     tokenizing += 1
-    try:   # templating and tokenizing in a worker thread: a long prompt stalls no stream
+    try:
       prompt = await asyncio.to_thread(encode, known.tokenizer, spec)
     finally:
       tokenizing -= 1
-    known = facts()   # the engine may have gone meanwhile
+    return prompt, facts()   # the engine may have gone meanwhile
+
+  def submitted(make: Callable[[], Handle]) -> Handle:
     try:
-      handle = engine.submit(prompt, **submit_kwargs(known, spec, prompt))
+      return make()
     except RuntimeError as e:
       raise RequestError(str(e), status=503, kind="server_error") from e
+
+  async def start(spec: Spec, prompt: list[int], known: Loaded) -> Handle:
+    """Submits the request and waits for the engine to take it (a round at most) ->
+    its handle; RequestError when it is refused."""
+    handle = submitted(lambda: engine.submit(prompt, **submit_kwargs(known, spec, prompt)))
     try:
       event = await handle.__anext__()
     except BaseException:
@@ -335,45 +298,78 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
                          kind="invalid_request_error" if event.status == 400
                          else "server_error")
     assert isinstance(event, Accepted), event
-    return handle, known
+    return handle
+
+  async def outcome(request: Request, handle: Handle):
+    """The request's last event (`Done` or `Scored`), or the response that ends it
+    otherwise: 499 (the client left), 504 (past --request-timeout), the engine's error."""
+    while True:
+      try:
+        event = await asyncio.wait_for(handle.__anext__(), DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        if await request.is_disconnected():
+          return JSONResponse({}, status_code=499)
+        late = timed_out(handle)
+        if late:
+          return JSONResponse(protocol.error_body(late, kind="server_error"),
+                              status_code=504)
+        continue
+      if isinstance(event, Error):   # 503 (a restart, a shutdown): retry shortly
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
+        return JSONResponse(protocol.error_body(event.message, kind="server_error"),
+                            status_code=event.status, headers=retry)
+      if isinstance(event, (Done, Scored)):
+        return event
 
   async def answer(request: Request, spec: Spec):
     spec = protocol.with_defaults(spec, sampling_defaults)
-    handle, known = await start(request, spec)
-    if spec.stream:
-      return _Streamed(stream(spec, handle, known), lambda: engine.cancel(handle))
-    try:
-      while True:
-        try:
-          event = await asyncio.wait_for(handle.__anext__(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-          if await request.is_disconnected():
-            return JSONResponse({}, status_code=499)
-          late = timed_out(handle)
-          if late:
-            return JSONResponse(protocol.error_body(late, kind="server_error"),
-                                status_code=504)
-          continue
-        if isinstance(event, Error):   # 503 (a restart, a shutdown): retry shortly
-          retry = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
-          return JSONResponse(protocol.error_body(event.message, kind="server_error"),
-                              status_code=event.status, headers=retry)
-        if isinstance(event, Done):
-          c = event.completion
-          return protocol.completion_response(spec, c.text, c.finish_reason,
-                                              usage(handle.prompt_len, c, known))
-    finally:
-      engine.cancel(handle)
+    prompt, known = await encoded(spec)
+    if spec.max_tokens == 0:   # echo: the prompt scored, nothing generated
+      submit_kwargs(known, dataclasses.replace(spec, max_tokens=None), prompt)  # it fits
+      c = Completion(-1, [], 0, "length", "")
+    else:
+      handle = await start(spec, prompt, known)
+      if spec.stream:
+        return _Streamed(stream(spec, handle, known), lambda: engine.cancel(handle))
+      try:
+        done = await outcome(request, handle)
+      finally:
+        engine.cancel(handle)
+      if not isinstance(done, Done):
+        return done
+      c = done.completion
+    use = usage(len(prompt), c, known)
+    if spec.logprobs is None and not spec.echo:
+      return protocol.completion_response(spec, c.text, c.finish_reason, use)
+    scores = None
+    ids = prompt + list(c.tokens)
+    if spec.logprobs is not None and len(ids) > 1:
+      handle = submitted(lambda: engine.score(ids, spec.logprobs))
+      try:
+        scored = await outcome(request, handle)
+      finally:
+        engine.cancel(handle)
+      if not isinstance(scored, Scored):
+        return scored
+      scores = scored.scores
+    text, logprobs = await asyncio.to_thread(
+        protocol.logprobs_of, known.tokenizer, spec, prompt, c, scores)
+    return protocol.completion_response(spec, text, c.finish_reason, use, logprobs)
 
   def usage(prompt_len: int, c, known: Loaded) -> dict:
     return protocol.usage(prompt_len, len(c.tokens), c.forwards,
                           c.drafter_forwards if known.drafter else None)
 
   async def stream(spec: Spec, handle: Handle, known: Loaded) -> AsyncIterator[str]:
-    text = TextStream(known.tokenizer, spec.stop,
-                      (*known.eos_token_ids, *spec.stop_token_ids))
+    ends = () if spec.ignore_eos else known.eos_token_ids
+    text = TextStream(known.tokenizer, spec.stop, (*ends, *spec.stop_token_ids))
+    generated = 0
+
+    def so_far() -> dict | None:   # stream_options.continuous_usage_stats: every chunk
+      return (protocol.usage(handle.prompt_len, generated) if spec.continuous_usage
+              else None)
     if spec.chat:
-      yield sse(protocol.chunk(spec, None, first=True))
+      yield sse(protocol.chunk(spec, None, first=True, so_far=so_far()))
     poll = None if request_timeout is None else DISCONNECT_POLL_S   # None: a plain await
     while not handle.finished:
       try:
@@ -385,20 +381,43 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
           break
         continue
       if isinstance(event, Tokens):
+        generated += len(event.tokens)
         delta = text.push(event.tokens)
         if delta:
-          yield sse(protocol.chunk(spec, delta))
+          yield sse(protocol.chunk(spec, delta, so_far=so_far()))
       elif isinstance(event, Done):
         c = event.completion
+        generated = len(c.tokens)
         rest = text.finish(c.text)
         if rest:
-          yield sse(protocol.chunk(spec, rest))
-        yield sse(protocol.chunk(spec, None, c.finish_reason))
+          yield sse(protocol.chunk(spec, rest, so_far=so_far()))
+        yield sse(protocol.chunk(spec, None, c.finish_reason, so_far=so_far()))
         if spec.include_usage:
           yield sse(protocol.chunk(spec, None, use=usage(handle.prompt_len, c, known)))
       else:
         yield sse(protocol.error_body(event.message, kind="server_error"))
     yield sse("[DONE]")
+
+  @app.get("/version")
+  async def version():
+    return {"version": mars_jax.__version__}
+
+  @app.post("/tokenize")
+  async def tokenize(request: Request):
+    """vLLM's: {"prompt"} or {"messages"} (with the chat template, or
+    "add_generation_prompt" false) -> {"count", "max_model_len", "tokens"}."""
+    spec = await parsed(request, protocol.parse_tokenize)
+    known = facts()
+    ids = await asyncio.to_thread(tokenize_ids, known.tokenizer, spec)
+    return {"count": len(ids), "max_model_len": known.context_room, "tokens": ids,
+            "token_strs": None}
+
+  @app.post("/detokenize")
+  async def detokenize(request: Request):
+    """vLLM's: {"tokens": [ids]} -> {"prompt": text}."""
+    ids = await parsed(request, protocol.parse_detokenize)
+    known = facts()
+    return {"prompt": await asyncio.to_thread(known.tokenizer.decode, ids)}
 
   @app.post("/v1/completions")
   async def completions(request: Request):

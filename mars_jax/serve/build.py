@@ -40,7 +40,7 @@ def default_windows(path: str) -> list[int]:
 
 
 def generation_defaults(path: str) -> dict:
-  """temperature, top_p and top_k of the model's generation_config.json (an HF
+  """temperature, top_p, top_k and min_p of the model's generation_config.json (an HF
   directory's, or a run's tokenizer directory's); temperature 0 when it says
   do_sample false; {} when it has none."""
   where = path if os.path.isfile(os.path.join(path, "config.json")) else (
@@ -48,7 +48,8 @@ def generation_defaults(path: str) -> dict:
   record = hf.read_generation_config(where) or {}
   if record.get("do_sample") is False:
     return {"temperature": 0.0}
-  return {k: record[k] for k in ("temperature", "top_p", "top_k") if record.get(k) is not None}
+  return {k: record[k] for k in ("temperature", "top_p", "top_k", "min_p")
+          if record.get(k) is not None}
 
 
 def cost_table_path(cache: str, programs: Programs, model, mode: str) -> str:

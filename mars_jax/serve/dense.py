@@ -89,7 +89,7 @@ from mars_jax.decoding import (batching, gates, loop, programs as programs_lib, 
 from mars_jax.decoding import mesh as decode_mesh
 from mars_jax.decoding.window_policy import FixedWindow, WindowPolicy
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Qwen2Config, Runtime
-from mars_jax.serve.requests import Completion, Request, Round, Stream, Update
+from mars_jax.serve.requests import Completion, Request, Round, SpecCounts, Stream, Update
 
 
 BUCKET_GROWTH = 4   # a batch bucket is min_batch_size x 4^k rows (or batch_size)
@@ -181,6 +181,7 @@ class DenseServer:
     self.window = 0          # the W of the last round (0: none ran yet)
     self.overlap = overlap
     self.steps = 0           # forwards run for the batch
+    self.spec = SpecCounts()  # the rows' steps at W > 1 and what they committed
     self.reset()
 
   def _new_state(self, rows: int):
@@ -239,10 +240,11 @@ class DenseServer:
              metric: Metric | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None,
              stop_token_ids: Sequence[int] = (), window: int | str = "auto",
-             mode: Mode | None = None) -> int:
+             mode: Mode | None = None, min_p: float = 0.0, ignore_eos: bool = False) -> int:
     """Queues a request; -> its id. tau, metric, mode default to the server's; window:
     "auto" (the round's W) or a fixed W in [1, max_window]; the sampling controls, stop
-    strings and stop ids are as `sampling.generate`'s. Raises ValueError on a request
+    strings and stop ids are as `sampling.generate`'s; min_p: the min-p cut (0: off);
+    ignore_eos: only the budget, stop strings and stop ids end it. Raises ValueError on a request
     the server cannot serve, before queueing it."""
     if not prompt or max_new_tokens < 1:
       raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1.")
@@ -278,7 +280,8 @@ class DenseServer:
                     temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                     seed=int(seed), stop_token_ids=[int(t) for t in stop_token_ids],
                     window=0 if window == "auto" else int(window),
-                    lossless=mode == "lossless")
+                    lossless=mode == "lossless", min_p=float(min_p),
+                    ignore_eos=bool(ignore_eos))
     batching.controls(1, 1, stop_width=self.max_stop_ids, **controls)  # raises on bad ones
     stop_strings = stops.check_stops(stop, 1)[0]
     if stop_strings and self.tokenizer is None:
@@ -454,6 +457,10 @@ class DenseServer:
         wide=wide)
     self.window = self.max_window
 
+  def _row_window(self, request: Request, auto: int) -> int:
+    """The W a row of `request` ran at in a round at W = auto (its own window caps it)."""
+    return min(request.controls["window"] or auto, auto)
+
   def _harvest(self, last: "Round") -> list[Update]:
     """Reads a round's new tokens (one copy), cuts rows at their stop strings, tells the
     policy what the round accepted, and streams -> the updates. The round's rows are
@@ -477,6 +484,10 @@ class DenseServer:
         continue
       here, stream = now[rid], self._streams[rid]
       new = got.tokens[row, :got.length[row] - since[row]].tolist()
+      if self.drafter is None:   # tokens a step committed share its forward count
+        window = self._row_window(self._requests[rid], last.window)
+        for committed in np.unique(got.born[row, :len(new)], return_counts=True)[1]:
+          self.spec.count(window, int(committed))
       forwards, done = int(got.forwards[row]), bool(got.done[row])
       k = self.scan.push(here, new)
       if k is not None:  # a stop string: keep k tokens, count forwards up to the k-th
@@ -487,8 +498,10 @@ class DenseServer:
       forwards_seen += forwards - stream.forwards
       stream.tokens += new
       stream.forwards = forwards
-      reason = (batching.finish_reason(stream.tokens, self.eos_ids,
-                                       self._requests[rid].controls["stop_token_ids"] or [-1],
+      controls = self._requests[rid].controls
+      reason = (batching.finish_reason(stream.tokens,
+                                       [-1] if controls["ignore_eos"] else self.eos_ids,
+                                       controls["stop_token_ids"] or [-1],
                                        stopped=self.scan.stopped[here]) if done else None)
       updates.append(Update(rid, new, len(stream.tokens), forwards, done, reason))
       if done:

@@ -55,8 +55,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mars_jax.core.private import check_tree, private_dir
+from mars_jax.decoding import scoring
 from mars_jax.decoding.programs import DEFAULT_MAX_BYTES
-from mars_jax.serve.latency import Latency
+from mars_jax.serve.latency import REQUEST_BUCKETS, Histogram, Latency
+from mars_jax.serve.requests import SpecCounts
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,12 @@ class Tokens:
 @dataclasses.dataclass(frozen=True)
 class Done:
   completion: Any   # a `server.Completion`
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+  """The answer to a score command: the AR model's logprobs (`scoring.Scores`)."""
+  scores: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +125,10 @@ class Metrics:
   kv_pages: int = 0           # pool pages in all
   prefix_query_tokens: int = 0
   prefix_hit_tokens: int = 0
+  tokens_streamed: int = 0    # tokens generated, counted as each round commits them
+  queue_time: Histogram = dataclasses.field(
+      default_factory=lambda: Histogram(REQUEST_BUCKETS))  # seconds requests waited for a row
+  spec: SpecCounts = dataclasses.field(default_factory=SpecCounts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +199,7 @@ class _Core:
     self.ids: dict[int, int] = {}      # front end id -> server id
     self.front: dict[int, int] = {}    # server id -> front end id
     self.events: list[tuple[int, Any]] = []
+    self.waiting: dict[int, float] = {}   # server id -> when submitted, until it gets a row
     self.fail_rounds = {int(r) for r in os.environ.get(FAIL_ROUNDS_ENV, "").split(",") if r}
     self.delay_s = float(os.environ.get(ROUND_DELAY_ENV) or 0)
 
@@ -199,7 +212,18 @@ class _Core:
       rid = self.ids.pop(command[1], None)
       if rid is not None and self.server.cancel(rid):
         del self.front[rid]
+        self.waiting.pop(rid, None)
         self.metrics.cancelled += 1
+      return True
+    if kind == "score":
+      _, fid, ids, top = command
+      try:
+        self.events.append((fid, Scored(scoring.token_logprobs(
+            self.server.config, self.server.params, ids, runtime=self.server.runtime,
+            top=top))))
+      except Exception as e:  # noqa: BLE001 - this request hears it, the engine goes on
+        log.exception("scoring a request raised; it fails, the engine goes on")
+        self.events.append((fid, Error(f"scoring failed: {type(e).__name__}: {e}", 500)))
       return True
     _, fid, prompt, kwargs = command
     try:
@@ -213,6 +237,7 @@ class _Core:
                                      f"{type(e).__name__}: {e}", 500)))
       return True
     self.ids[fid], self.front[rid] = rid, fid
+    self.waiting[rid] = time.monotonic()
     self.metrics.prompt_tokens += len(prompt)
     self.events.append((fid, Accepted()))
     return True
@@ -223,11 +248,17 @@ class _Core:
     m.rounds += 1
     if m.rounds in self.fail_rounds:
       raise RuntimeError(f"round {m.rounds} failed ({FAIL_ROUNDS_ENV})")
+    begin = time.monotonic()
     updates = server.step()
+    if self.waiting:   # admitted at this round's start: their wait ends there
+      queued = {r.request_id for r in server.queue}
+      for rid in [r for r in self.waiting if r not in queued]:
+        m.queue_time.observe(begin - self.waiting.pop(rid))
     m.steps += server.steps - steps
     m.window, m.batch = server.window, len(server.slots)
     for u in updates:
       fid = self.front[u.request_id]
+      m.tokens_streamed += len(u.tokens)
       if u.tokens:
         self.events.append((fid, Tokens(u.tokens)))
       if u.done:
@@ -252,6 +283,7 @@ class _Core:
       self.server.completed.pop(rid, None)
       fid = self.front.pop(rid)
       del self.ids[fid]
+      self.waiting.pop(rid, None)
       self.metrics.failed += 1
       self.events.append((fid, Error(f"decoding failed: {self.metrics.last_failure}")))
 
@@ -260,6 +292,7 @@ class _Core:
     so the counters are current even when a round produced no event)."""
     m, server = self.metrics, self.server
     m.running, m.queued = server.active, len(server.queue)
+    m.spec = getattr(server, "spec", m.spec)
     pool = getattr(server, "pool", None)
     if pool is not None:
       m.forward_tokens, m.preemptions = server.forward_tokens, server.preemptions
@@ -365,7 +398,7 @@ class Handle:
     if self.finished:
       raise StopAsyncIteration
     event = await self.events.get()
-    self.finished = isinstance(event, (Done, Error))
+    self.finished = isinstance(event, (Done, Error, Scored))
     return event
 
 
@@ -462,7 +495,7 @@ class Engine:
         if handle is None:
           continue
         self._time(handle, event, now)
-        if isinstance(event, (Done, Error)):
+        if isinstance(event, (Done, Error, Scored)):
           del self.handles[fid]
         handle.events.put_nowait(event)
       self.due_since = now if self.handles else None   # the next round is owed from now
@@ -560,6 +593,18 @@ class Engine:
     self._next_id += 1
     self.handles[handle.request_id] = handle
     self._send(("submit", handle.request_id, prompt, kwargs))
+    return handle
+
+  def score(self, ids: list[int], top: int) -> Handle:
+    """Asks the engine for the AR model's logprobs over `ids` (between two rounds) -> a
+    handle whose one event is `Scored` (or `Error`). RuntimeError as `submit`."""
+    if not self.admitting or not self.alive or self.ready is None:
+      raise RuntimeError("the server is not admitting requests (starting, shutting down "
+                         "or its engine stopped).")
+    handle = Handle(self._next_id, len(ids))
+    self._next_id += 1
+    self.handles[handle.request_id] = handle
+    self._send(("score", handle.request_id, list(ids), top))
     return handle
 
   def cancel(self, handle: Handle) -> None:

@@ -80,10 +80,11 @@ class Latency:
   def request(self, seconds: float) -> None:
     self.histograms["request"].observe(seconds)
 
-  def text(self, labels: str) -> list[str]:
-    """Every histogram under both names, Prometheus text lines."""
+  def text(self, labels: str, vllm_labels: str | None = None) -> list[str]:
+    """Every histogram under both names (vLLM's with `vllm_labels`, default the same),
+    Prometheus text lines."""
     lines = []
     for key, (ours, vllm, help_, _) in _NAMES.items():
-      for name in (ours, vllm):
-        lines += self.histograms[key].text(name, help_, labels)
+      lines += self.histograms[key].text(ours, help_, labels)
+      lines += self.histograms[key].text(vllm, help_, vllm_labels or labels)
     return lines

@@ -10,10 +10,14 @@ chunks built (pure functions; no HTTP here, see `mars_jax.serve.app`).
 A body is checked the way the OpenAI API checks it: every field known, of its type and
 in its range, else a `RequestError` naming the field (`param`) that `error_body` turns
 into {"error": {"message", "type", "param", "code"}}. Fields the engine cannot honour
-(logprobs, penalties, n > 1, echo, tools) are refused with a message saying so rather
-than ignored. MARS's own knobs are extra fields: tau, window ("auto" or an int), gate
-(the gate metric), mode ("gated" or "lossless"), plus top_k and stop_token_ids as
-vLLM has them.
+(penalties other than their neutral values, n > 1, best_of, tools, JSON response
+formats) are refused with a message saying so rather than ignored. vLLM's extra fields
+are honoured: top_k, min_p, stop_token_ids, ignore_eos, chat_template_kwargs (passed to
+the chat template), stream_options.continuous_usage_stats; so are logprobs /
+top_logprobs (chat) and logprobs / echo (completions), which a forward of the AR model
+over the prompt and the completion gives (`mars_jax.decoding.scoring`). MARS's own knobs
+are extra fields: tau, window ("auto" or an int), gate (the gate metric), mode ("gated"
+or "lossless").
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ MAX_STOP_CHARS = 256    # characters a stop string may have (our bound: each is 
                         # for after every token of its row)
 MAX_STOP_IDS = 64       # stop token ids a request may give
 MAX_REQUEST_BYTES = 32 << 20   # the largest request body, by default (--max-request-bytes)
+MAX_LOGPROBS = 20       # alternatives a token's logprobs may list (OpenAI's bound)
 
 
 class RequestError(ValueError):
@@ -57,8 +62,11 @@ def error_body(message: str, param: str | None = None,
 class Spec:
   """One checked request. chat: messages (role/content) else prompt (text or ids);
   max_tokens None: as many as fit; window: "auto" or an int; temperature, top_p,
-  top_k, tau, gate, mode None: the server's defaults; seed: always set (drawn at random
-  when the body has none)."""
+  top_k, min_p, tau, gate, mode None: the server's defaults; seed: always set (drawn at
+  random when the body has none); logprobs: how many alternatives each token's logprobs
+  list (None: no logprobs); echo: the completion starts with the prompt (and its
+  logprobs); continuous_usage: every stream chunk carries the usage so far;
+  chat_template_kwargs: extra variables for the chat template."""
   chat: bool
   model: str
   prompt: str | list[int] | None
@@ -78,6 +86,12 @@ class Spec:
   mode: str | None
   created: int
   id: str
+  min_p: float | None = None
+  ignore_eos: bool = False
+  logprobs: int | None = None
+  echo: bool = False
+  continuous_usage: bool = False
+  chat_template_kwargs: dict | None = None
 
 
 def _is_int(v) -> bool:
@@ -109,14 +123,15 @@ def _ranged(name: str, value, ok: bool, expected: str):
 
 
 # Fields accepted and honoured, besides the endpoint's own (prompt / messages).
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop",
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
                  "stop_token_ids", "seed", "n", "stream", "stream_options", "tau", "window",
-                 "gate", "mode", "user"}
+                 "gate", "mode", "user", "ignore_eos", "logprobs"}
 # Fields accepted only at their no-op value (the engine has no such feature).
-NO_OP = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-         "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+NO_OP = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+         "repetition_penalty": (None, 1, 1.0),
          "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-         "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
+         "tools": (None, []), "tool_choice": (None, "none"),
+         "response_format": (None, {"type": "text"}),
          "parallel_tool_calls": (None, False), "service_tier": (None, "auto", "default")}
 
 
@@ -126,8 +141,9 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
     raise RequestError(f"unrecognized request argument supplied: '{unknown[0]}'.", unknown[0])
   for name, allowed in NO_OP.items():
     if name in body and body[name] not in allowed:
-      raise RequestError(f"'{name}'={body[name]!r} is not supported by this server; omit "
-                         "it.", name)
+      neutral = " or ".join(repr(v) for v in allowed if v is not None)
+      raise RequestError(f"'{name}'={body[name]!r} is not supported by this server; send "
+                         f"{neutral or 'null'} or omit it.", name)
   model = _typed(body, "model", lambda v: isinstance(v, str), "a string")
   if model is None:
     raise RequestError("'model' is required (GET /v1/models lists it).", "model")
@@ -140,7 +156,9 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
   if chat and body.get("max_completion_tokens") is not None:
     max_tokens = _typed(body, "max_completion_tokens", _is_int, "an integer")
   if max_tokens is not None:
-    _ranged("max_tokens", max_tokens, 1 <= max_tokens < INT32_RANGE, ">= 1 (and < 2**31)")
+    scoring = not chat and body.get("echo") is True   # max_tokens 0: the prompt scored
+    _ranged("max_tokens", max_tokens, (0 if scoring else 1) <= max_tokens < INT32_RANGE,
+            ">= 1 (and < 2**31); 0 only with 'echo': true")
   elif not chat:
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
   temperature = _typed(body, "temperature", _is_number, "a number")
@@ -151,6 +169,10 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
   top_p = _typed(body, "top_p", _is_number, "a number")
   if top_p is not None:
     top_p = _ranged("top_p", float(top_p), 0 < top_p <= 1, "in (0, 1]")
+  min_p = _typed(body, "min_p", _is_number, "a number")
+  if min_p is not None:
+    min_p = float(_ranged("min_p", min_p, 0 <= min_p <= 1, "in [0, 1] (0: off)"))
+  ignore_eos = _typed(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
   top_k = _typed(body, "top_k", _is_int, "an integer")
   if top_k is not None:
     top_k = 0 if top_k == -1 else top_k           # vLLM's "off"
@@ -177,8 +199,11 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
   if bad:
     raise RequestError(f"unrecognized stream_options field '{bad[0]}'.", "stream_options")
   include_usage = options.get("include_usage", False)
-  if not isinstance(include_usage, bool):
-    raise RequestError("'stream_options.include_usage' must be a boolean.", "stream_options")
+  continuous = options.get("continuous_usage_stats", False)
+  if not isinstance(include_usage, bool) or not isinstance(continuous, bool):
+    raise RequestError("'stream_options.include_usage' and "
+                       "'stream_options.continuous_usage_stats' must be booleans.",
+                       "stream_options")
   tau = _typed(body, "tau", _is_number, "a number")
   if tau is not None:
     _ranged("tau", tau, 0 <= tau <= 1, "in [0, 1] (1: exact AR under the gate)")
@@ -197,10 +222,23 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
               seed=secrets.randbelow(SEED_RANGE) if seed is None else seed, stream=stream,
               include_usage=include_usage, tau=None if tau is None else float(tau),
               window=window, gate=gate, mode=mode, created=int(time.time()),
-              id=f"{prefix}-{uuid.uuid4().hex}")
+              id=f"{prefix}-{uuid.uuid4().hex}", min_p=min_p, ignore_eos=ignore_eos,
+              continuous_usage=continuous)
 
 
-OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # the API's defaults
+def _no_stream_logprobs(common: dict, param: str) -> None:
+  if common["stream"]:
+    raise RequestError(f"'{param}' is given on non-streamed requests only (the logprobs "
+                       "come from a forward over the whole completion); send 'stream': "
+                       "false.", param)
+
+
+# apply_chat_template's own arguments: not template variables
+TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template",
+                      "add_generation_prompt", "continue_final_message", "tokenize",
+                      "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                      "return_assistant_tokens_mask", "tokenizer_kwargs"}
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # defaults
 
 
 def with_defaults(spec: Spec, defaults: dict) -> Spec:
@@ -231,8 +269,15 @@ def parse_completion(body: Any, *, model_name: str) -> Spec:
   elif not (isinstance(prompt, str) and prompt):
     raise RequestError("'prompt' must be a non-empty string or a non-empty list of token "
                        "ids (one prompt per request).", "prompt")
-  return Spec(prompt=prompt, messages=None,
-              **_common(body, chat=False, model_name=model_name, extra={"prompt"}))
+  common = _common(body, chat=False, model_name=model_name, extra={"prompt", "echo"})
+  logprobs = _typed(body, "logprobs", _is_int, "an integer (the alternatives per token)")
+  if logprobs is not None:
+    _ranged("logprobs", logprobs, 0 <= logprobs <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+    _no_stream_logprobs(common, "logprobs")
+  echo = _typed(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+  if echo:
+    _no_stream_logprobs(common, "echo")
+  return Spec(prompt=prompt, messages=None, logprobs=logprobs, echo=echo, **common)
 
 
 def _content(message: dict, i: int) -> str:
@@ -260,9 +305,85 @@ def parse_chat(body: Any, *, model_name: str) -> Spec:
       raise RequestError(f"'messages[{i}]' must be an object with a string 'role'.",
                          f"messages[{i}]")
     turns.append({"role": m["role"], "content": _content(m, i)})
-  return Spec(prompt=None, messages=turns,
-              **_common(body, chat=True, model_name=model_name,
-                        extra={"messages", "max_completion_tokens"}))
+  common = _common(body, chat=True, model_name=model_name,
+                   extra={"messages", "max_completion_tokens", "top_logprobs",
+                          "chat_template_kwargs"})
+  wants = _typed(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+  top = _typed(body, "top_logprobs", _is_int, "an integer")
+  if top is not None:
+    _ranged("top_logprobs", top, 0 <= top <= MAX_LOGPROBS and (wants or top == 0),
+            f"in [0, {MAX_LOGPROBS}], with 'logprobs': true")
+  if wants:
+    _no_stream_logprobs(common, "logprobs")
+  template_kwargs = _typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict),
+                           "an object")
+  taken = sorted(set(template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+  if taken:
+    raise RequestError(f"'chat_template_kwargs' may not set '{taken[0]}' (the server sets "
+                       "it); pass only the template's own variables.", "chat_template_kwargs")
+  return Spec(prompt=None, messages=turns, logprobs=(top or 0) if wants else None,
+              chat_template_kwargs=template_kwargs, **common)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenize:
+  """A checked /tokenize request: a prompt (text) or chat messages."""
+  prompt: str | None
+  messages: list[dict] | None
+  add_special_tokens: bool
+  add_generation_prompt: bool
+  chat_template_kwargs: dict | None
+
+
+def _optional_model(body: dict, model_name: str) -> None:
+  model = _typed(body, "model", lambda v: isinstance(v, str), "a string")
+  if model is not None and model != model_name:
+    raise RequestError(f"model '{model}' does not exist; this server serves "
+                       f"'{model_name}'.", "model")
+
+
+def parse_tokenize(body: Any, *, model_name: str) -> Tokenize:
+  """POST /tokenize (vLLM's): {"prompt", "add_special_tokens" (default true)} or
+  {"messages", "add_generation_prompt" (default true), "chat_template_kwargs"}; "model"
+  optional."""
+  body = _body(body)
+  chat = "messages" in body
+  known = {"model", "add_special_tokens"} | (
+      {"messages", "add_generation_prompt", "chat_template_kwargs"} if chat else {"prompt"})
+  unknown = sorted(set(body) - known)
+  if unknown:
+    raise RequestError(f"unrecognized request argument supplied: '{unknown[0]}'.", unknown[0])
+  _optional_model(body, model_name)
+  flag = lambda name, default: _typed(body, name, lambda v: isinstance(v, bool),
+                                      "a boolean", default)
+  if chat:
+    turns = parse_chat({"model": model_name, "messages": body["messages"]},
+                       model_name=model_name).messages
+    kwargs = _typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    taken = sorted(set(kwargs or ()) & TEMPLATE_ARGUMENTS)
+    if taken:
+      raise RequestError(f"'chat_template_kwargs' may not set '{taken[0]}'.",
+                         "chat_template_kwargs")
+    return Tokenize(None, turns, flag("add_special_tokens", False),
+                    flag("add_generation_prompt", True), kwargs)
+  prompt = body.get("prompt")
+  if not isinstance(prompt, str):
+    raise RequestError("'prompt' must be a string (or send 'messages').", "prompt")
+  return Tokenize(prompt, None, flag("add_special_tokens", True), False, None)
+
+
+def parse_detokenize(body: Any, *, model_name: str) -> list[int]:
+  """POST /detokenize (vLLM's): {"tokens": [ids]}, "model" optional -> the ids."""
+  body = _body(body)
+  unknown = sorted(set(body) - {"model", "tokens"})
+  if unknown:
+    raise RequestError(f"unrecognized request argument supplied: '{unknown[0]}'.", unknown[0])
+  _optional_model(body, model_name)
+  tokens = body.get("tokens")
+  if not (isinstance(tokens, list) and all(_is_int(t) and 0 <= t < INT32_RANGE
+                                           for t in tokens)):
+    raise RequestError("'tokens' must be a list of token ids.", "tokens")
+  return tokens
 
 
 def finish_reason(reason: str) -> str:
@@ -270,35 +391,42 @@ def finish_reason(reason: str) -> str:
   return "length" if reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, forwards: int,
+def usage(prompt_tokens: int, completion_tokens: int, forwards: int | None = None,
           drafter_forwards: int | None = None) -> dict:
   """OpenAI's usage, plus the request's forwards and tokens per forward (and, from a
-  server with a drafter, its drafter forwards and drafter forwards per token)."""
+  server with a drafter, its drafter forwards and drafter forwards per token); forwards
+  None: OpenAI's three counts alone (a stream's usage so far)."""
   use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens, "forwards": forwards,
-         "tokens_per_forward": round(completion_tokens / max(forwards, 1), 4)}
+         "total_tokens": prompt_tokens + completion_tokens}
+  if forwards is None:
+    return use
+  use.update(forwards=forwards,
+             tokens_per_forward=round(completion_tokens / max(forwards, 1), 4))
   if drafter_forwards is not None:
     use.update(drafter_forwards=drafter_forwards, drafter_forwards_per_token=round(
         drafter_forwards / max(completion_tokens, 1), 4))
   return use
 
 
-def completion_response(spec: Spec, text: str, reason: str, use: dict) -> dict:
-  """The non-streamed answer (a text or a chat completion object)."""
+def completion_response(spec: Spec, text: str, reason: str, use: dict,
+                        logprobs: dict | None = None) -> dict:
+  """The non-streamed answer (a text or a chat completion object); logprobs: the
+  choice's (`logprobs_of`)."""
   if spec.chat:
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": finish_reason(reason)}
+              "logprobs": logprobs, "finish_reason": finish_reason(reason)}
   else:
-    choice = {"index": 0, "text": text, "logprobs": None,
+    choice = {"index": 0, "text": text, "logprobs": logprobs,
               "finish_reason": finish_reason(reason)}
   return {"id": spec.id, "object": "chat.completion" if spec.chat else "text_completion",
           "created": spec.created, "model": spec.model, "choices": [choice], "usage": use}
 
 
 def chunk(spec: Spec, delta: str | None, reason: str | None = None, *,
-          first: bool = False, use: dict | None = None) -> dict:
+          first: bool = False, use: dict | None = None, so_far: dict | None = None) -> dict:
   """One stream chunk: a text delta (first: the chat chunk that carries the role), the
-  last one with its finish reason, or (use) the usage chunk, which has no choices."""
+  last one with its finish reason, or (use) the usage chunk, which has no choices;
+  so_far: the usage until this chunk (vLLM's continuous_usage_stats)."""
   obj = "chat.completion.chunk" if spec.chat else "text_completion"
   out = {"id": spec.id, "object": obj, "created": spec.created, "model": spec.model}
   if use is not None:
@@ -310,4 +438,50 @@ def chunk(spec: Spec, delta: str | None, reason: str | None = None, *,
     choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}
   else:
     choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-  return {**out, "choices": [choice]}
+  out["choices"] = [choice]
+  if so_far is not None:
+    out["usage"] = so_far
+  return out
+
+
+def logprobs_of(tokenizer, spec: Spec, prompt: list[int], completion, scores
+                ) -> tuple[str, dict | None]:
+  """The choice's text and logprobs for a request that asked for logprobs or echo.
+
+  prompt: its ids; completion: a `Completion` (tokens, text); scores: the AR model's
+  `scoring.Scores` over prompt + completion tokens (None: no logprobs asked). The
+  completion's text starts with the prompt's under echo (a text prompt as given, ids
+  decoded), whose first token has no logprob (null). Chat: {"content": [{"token",
+  "logprob", "bytes", "top_logprobs"}]}; completions: {"tokens", "token_logprobs",
+  "top_logprobs", "text_offset"} (offsets into the returned text)."""
+  text = completion.text
+  first = len(prompt)   # the first token reported, in prompt + completion
+  if spec.echo:
+    shown = spec.prompt if isinstance(spec.prompt, str) else tokenizer.decode(prompt)
+    text, first = shown + text, 0
+  if scores is None:
+    return text, None
+  ids = list(prompt) + list(completion.tokens)
+  piece = tokenizer.decode
+  rows = []   # (token string, logprob or None, [(alternative, logprob)] or None)
+  for i in range(first, len(ids)):
+    if i == 0:
+      rows.append((piece([ids[0]]), None, None))
+      continue
+    alternatives = [(piece([int(t)]), float(lp)) for t, lp in
+                    zip(scores.top_ids[i - 1], scores.top_logprobs[i - 1])]
+    rows.append((piece([ids[i]]), float(scores.logprob[i - 1]), alternatives))
+  if spec.chat:
+    def entry(token, lp):
+      return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+    return text, {"content": [{**entry(tok, lp), "top_logprobs": [entry(*a) for a in alts]}
+                              for tok, lp, alts in rows]}
+  offsets, at = [], 0
+  for token, _, _ in rows:
+    offsets.append(at)
+    at += len(token)
+  return text, {"tokens": [t for t, _, _ in rows],
+                "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [None if alts is None else dict(alts)
+                                 for _, _, alts in rows],
+                "text_offset": offsets}

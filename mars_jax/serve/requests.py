@@ -69,6 +69,31 @@ class Round(NamedTuple):
 
 
 @dataclasses.dataclass
+class SpecCounts:
+  """Speculative decoding's counters with the MARS meaning (`mars_jax.serve.metrics`):
+  decoding steps of rows at W > 1 (drafts), their W - 1 MASK proposals (draft_tokens),
+  the tokens they committed beyond their first (accepted), and per position j the steps
+  that committed more than j + 1."""
+  drafts: int = 0
+  draft_tokens: int = 0
+  accepted: int = 0
+  per_position: list[int] = dataclasses.field(default_factory=list)
+
+  def count(self, window: int, committed: int) -> None:
+    """One step of a row at `window` that committed `committed` tokens."""
+    if window < 2:
+      return
+    accepted = min(committed, window) - 1
+    self.drafts += 1
+    self.draft_tokens += window - 1
+    self.accepted += accepted
+    if len(self.per_position) < window - 1:
+      self.per_position += [0] * (window - 1 - len(self.per_position))
+    for j in range(accepted):
+      self.per_position[j] += 1
+
+
+@dataclasses.dataclass
 class Stream:
   """A running request's tokens so far and the forwards it took part in."""
   tokens: list[int] = dataclasses.field(default_factory=list)

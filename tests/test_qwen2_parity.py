@@ -221,3 +221,24 @@ def test_logical_axes_cover_every_weight(name):
   for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
       axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
     assert len(spec) == len(shape.shape) and all(a is not None for a in spec)
+
+
+@family
+def test_scoring_logprobs_equal_transformers_log_softmax(hf_tiny, family, monkeypatch):
+  """`scoring.token_logprobs` (what the server's logprobs and echo report) over 37 tokens
+  (padded to 64, unembedded in 4 chunks of 16): each token's log-probability and the
+  top 5, as transformers' log-softmax of its causal logits gives them."""
+  from mars_jax.decoding import scoring
+  monkeypatch.setattr(scoring, "CHUNK", 16)
+  path, model = hf_tiny(**FAMILIES[family])
+  config, params = hf.load_pretrained(path)
+  ids = np.random.default_rng(3).integers(0, 128, 37).tolist()
+  got = scoring.token_logprobs(config, params, ids, top=5)
+  with torch.no_grad():
+    ref = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+  ref = ref.numpy()[:-1]
+  np.testing.assert_allclose(got.logprob, ref[np.arange(36), ids[1:]], atol=TOL, rtol=0)
+  top = np.sort(ref, axis=-1)[:, ::-1][:, :5]
+  np.testing.assert_allclose(got.top_logprobs, top, atol=TOL, rtol=0)
+  np.testing.assert_allclose(np.take_along_axis(ref, got.top_ids, axis=-1), top, atol=TOL,
+                             rtol=0)

@@ -443,3 +443,52 @@ def test_bad_sampling_controls_are_refused(model):
                      (dict(stop=[["a"], ["b"]]), "stop: 2 lists for 4")):
     with pytest.raises(ValueError, match=match):
       sampling.generate(config, params, PROMPTS, **KW, **bad)
+
+
+def min_p_np(scaled, min_p):
+  """The min-p cut in float64: tokens less than min_p times as likely as the likeliest go."""
+  return np.where(scaled >= scaled.max() + np.log(min_p), scaled, -np.inf) if min_p else scaled
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.2), (6, 0.9, 0.05), (0, 0.7, 0.5)])
+def test_min_p_cut_equals_numpy_reference(top_k, top_p, min_p):
+  """`draws.warp` with min_p: the top-k/top-p cut, then min-p (transformers' order)."""
+  rng = np.random.default_rng(7)
+  logits = rng.normal(size=(2, 3, 50)).astype(np.float32) * 2
+  temperature = np.asarray([0.7, 1.3], np.float32)
+  got = np.asarray(draws.warp(jnp.asarray(logits), jnp.asarray(temperature),
+                              jnp.full((2,), top_k, jnp.int32), jnp.full((2,), top_p),
+                              jnp.full((2,), min_p, jnp.float32)))
+  want = np.stack([[min_p_np(cut_np(l.astype(np.float64) / t, top_k, top_p), min_p)
+                    for l in row] for row, t in zip(logits, temperature)])
+  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+  np.testing.assert_allclose(got[~np.isinf(got)], want[~np.isinf(want)], rtol=1e-6)
+
+
+def test_the_server_draws_min_p_and_ignores_eos_as_asked(model):
+  """The ragged server (2 rows, lossless W = 3): sampled requests with min_p get the
+  naive sampler's tokens (uncached forward, NumPy cut, the sampler's noise); a greedy
+  request whose EOS comes early runs past it to its budget with ignore_eos, and stops
+  there without."""
+  config, params = model
+  greedy = sampling.generate(config, params, [PROMPTS[1]], max_new_tokens=16,
+                             mask_token_id=MASK_ID, eos_token_ids=[-1]).tokens[0]
+  eos = greedy[5]
+  server = serve.Server(config, params, mask_token_id=MASK_ID, eos_token_ids=[eos],
+                        batch_size=2, max_len=64, window=3, mode="lossless", round_steps=3)
+  sampled = [server.submit(p, max_new_tokens=10, temperature=1.0, top_p=0.9, min_p=0.3,
+                           seed=s, ignore_eos=True) for p, s in zip(PROMPTS[:3], SEEDS)]
+  past, stopped = (server.submit(PROMPTS[1], max_new_tokens=16, ignore_eos=flag)
+                   for flag in (True, False))
+  done = server.run()
+  for p, s, rid in zip(PROMPTS, SEEDS, sampled):
+    out = []
+    while len(out) < 10:
+      logits = full_logits(config, params, p + out)[-1].astype(np.float64)
+      g = np.asarray(draws.noise(jnp.asarray([s], jnp.uint32),
+                                 jnp.asarray([[len(p) + len(out)]], jnp.int32), len(logits)))
+      out.append(int(np.argmax(min_p_np(cut_np(logits, 0, 0.9), 0.3) + g[0, 0])))
+    assert done[rid].tokens == out
+  assert done[past].tokens == greedy and done[past].finish_reason == "length"
+  k = greedy.index(eos) + 1
+  assert done[stopped].tokens == greedy[:k] and done[stopped].finish_reason == "eos"

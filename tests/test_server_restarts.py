@@ -159,3 +159,21 @@ def test_default_flags_size_the_batch_from_the_free_memory(servers, tmp_path):
                            text[-3000:])
     finally:
       proc.kill()
+
+
+def test_a_cache_others_can_write_stops_the_server_with_the_fix(servers, tmp_path):
+  """`--compilation-cache` on a directory its group and others can write (a shared /tmp
+  or NFS path): the engine refuses it before loading anything, and the server exits 2
+  naming the directory and `chmod go-w`."""
+  shared = tmp_path / "shared_cache"
+  shared.mkdir()
+  shared.chmod(0o777)
+  with open(tmp_path / "server.log", "w+") as log:
+    proc = spawn(servers.checkpoint, free_port(), log, "--compilation-cache", str(shared))
+    try:
+      assert proc.wait(300) == 2
+    finally:
+      proc.kill()
+    log.seek(0)
+    text = log.read()
+  assert f"chmod go-w {shared}" in text and "run their code" in text, text[-3000:]

@@ -45,11 +45,16 @@ def _post(url: str, body: dict) -> dict:
     return json.load(r)
 
 
-def test_vllm_serves_a_mars_export_as_its_own_parallel_drafter(venv, tmp_path):
+@pytest.fixture(scope="module")
+def trained():
   # vLLM's CPU attention takes head_dim 32 and up: the toy at twice its width, which
   # learns its cycle in 120 steps (60 left 3 of these 16 prompts off it)
-  t = toy.train(steps=120, config=dataclasses.replace(
+  return toy.train(steps=120, config=dataclasses.replace(
       toy.CONFIG, hidden_size=128, head_dim=32, intermediate_size=256))
+
+
+def test_vllm_serves_a_mars_export_as_its_own_parallel_drafter(venv, trained, tmp_path):
+  t = trained
   old = str(tmp_path / "toy")
   toy.export(t, old)
   config = json.load(open(os.path.join(old, "config.json")))
@@ -98,3 +103,43 @@ def test_vllm_serves_a_mars_export_as_its_own_parallel_drafter(venv, tmp_path):
   spec = serve_peers.spec_decode({}, counters)
   print(f"vLLM: {spec}")
   assert spec["acceptance"] > 0.9 and spec["tokens_per_step"] > 4
+
+
+def test_vllm_bench_serve_runs_against_our_server(venv, trained, tmp_path):
+  """vLLM's own load generator, `vllm bench serve`, against `python -m mars_jax.serve`
+  over the toy's export: the chat and completions backends, random prompts, ignore_eos
+  (and the repetition_penalty 1.0 that its completions client sends with every request),
+  8 at once. Every request succeeds and gets its output length; our /metrics then shows
+  the toy's MASK proposals accepted under vLLM's spec-decode names."""
+  out = str(tmp_path / "toy")
+  toy.export(trained, out)
+  port = serve_procs.free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  server = serve_procs.Launched(
+      [sys.executable, "-m", "mars_jax.serve", "--model", out, "--port", str(port),
+       "--max-num-seqs", "16", "--max-len", "160"], env, str(tmp_path / "ours.log"), port)
+  try:
+    server.wait_ready(900)
+    for backend, endpoint in (("openai-chat", "/v1/chat/completions"),
+                              ("openai", "/v1/completions")):
+      name = f"{backend}.json"
+      r = subprocess.run(
+          [os.path.join(venv, "bin", "vllm"), "bench", "serve", "--backend", backend,
+           "--base-url", server.url, "--endpoint", endpoint, "--model", "toy",
+           "--tokenizer", out, "--dataset-name", "random", "--random-input-len", "24",
+           "--random-output-len", "16", "--num-prompts", "24", "--max-concurrency", "8",
+           "--ignore-eos", "--seed", "0", "--disable-tqdm", "--save-result",
+           "--result-dir", str(tmp_path), "--result-filename", name],
+          env=serve_peers.vllm_env(None), capture_output=True, text=True, timeout=600)
+      print(r.stdout[-2500:])
+      assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+      result = json.load(open(tmp_path / name))
+      assert result["completed"] == 24 and not any(result.get("errors") or []), result
+      assert result["total_output_tokens"] == 24 * 16, result
+    spec = serve_peers.spec_decode({}, serve_procs.scrape(server.url))
+    print(f"ours: {spec}")
+    assert spec["acceptance"] > 0 and spec["tokens_per_step"] > 1
+  except Exception as e:
+    raise AssertionError(f"{e}; our server's log ends:\n{serve_procs.tail(server.log)}") from e
+  finally:
+    server.stop(60)

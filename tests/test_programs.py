@@ -115,7 +115,11 @@ def test_the_salt_covers_jax_flags_flax_and_the_cpu():
     jax.config.update("jax_enable_x64", was)
   assert programs.salt() == plain
   assert "flax" not in plain and programs.metadata.version("flax") in plain
-  assert programs._cpu()   # the CPU's model and features
+  cpu = programs._cpu()   # the CPU's model and instruction-set features
+  if os.path.exists("/proc/cpuinfo"):
+    flags = [line for line in open("/proc/cpuinfo") if line.split(":")[0].strip() in (
+        "flags", "Features")]
+    assert flags and flags[0].split(":", 1)[1].strip() in cpu, cpu
 
 
 def test_stale_temporary_files_go_and_the_store_keeps_its_bound_least_recent_first(tmp_path):
@@ -123,14 +127,17 @@ def test_stale_temporary_files_go_and_the_store_keeps_its_bound_least_recent_fir
   a live writer's, a young one and the user's own files are kept. Past max_bytes the
   least recently used executables go, never the one just written."""
   tmp_path.chmod(0o700)
-  dead = tmp_path / ".tmp-999999999-abc"
-  alive = tmp_path / f".tmp-{os.getpid()}-abc"
+  host = programs._HOST
+  dead = tmp_path / f".tmp-{host}+999999999-abc"
+  alive = tmp_path / f".tmp-{host}+{os.getpid()}-abc"
+  elsewhere = tmp_path / ".tmp-otherhost+999999999-abc"   # a shared cache: another host's
   old, young, mine = tmp_path / ".tmp-xyz", tmp_path / ".tmp-qrs", tmp_path / "notes.xla"
-  for f in (dead, alive, old, young, mine):
+  for f in (dead, alive, elsewhere, old, young, mine):
     f.write_bytes(b"x")
   os.utime(old, (time.time() - 7200,) * 2)
   store = programs.Programs(str(tmp_path))
-  assert sorted(os.listdir(tmp_path)) == sorted(f.name for f in (alive, young, mine))
+  assert sorted(os.listdir(tmp_path)) == sorted(f.name for f in (alive, elsewhere, young,
+                                                                  mine))
   _call(store, n=4)
   size = max(f.stat().st_size for f in tmp_path.glob("affine-*.xla"))
   first = next(tmp_path.glob("affine-*.xla"))

@@ -96,8 +96,8 @@ def test_metrics_have_vllms_names_with_the_mars_meaning_of_spec_decoding():
                'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 3',
                'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2',
                'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1',
-               'vllm:request_success_total{model_name="m",finish_reason="stop"} 3',
-               'vllm:request_success_total{model_name="m",finish_reason="length"} 4',
+               'vllm:request_success_total{model_name="m",finished_reason="stop"} 3',
+               'vllm:request_success_total{model_name="m",finished_reason="length"} 4',
                'vllm:request_queue_time_seconds_bucket{model_name="m",le="0.5"} 1',
                'vllm:num_requests_running{model_name="m"} 0',
                'vllm:kv_cache_usage_perc{model_name="m"} 0.0'):
@@ -212,7 +212,7 @@ def limited_server():
   engine = Engine(argparse.Namespace())
   engine.loaded = NotStarted()
   app = serve_app.create_app(engine, model_name="m", max_queued=4, sampling_defaults={},
-                             body_timeout=1.0)
+                             body_timeout=1.0, max_request_bytes=1000)
   port = free_port()
   config = uvicorn.Config(app, port=port, log_level="error", lifespan="off",
                           http=limited_protocol(header_timeout=1.0, max_connections=3))
@@ -255,8 +255,25 @@ def test_slow_headers_slow_bodies_and_connections_past_the_cap_are_refused(limit
   got = _read_all(slow_body)
   assert b" 408 " in got.split(b"\r\n")[0] and b"--body-timeout" in got, got
   assert _read_all(idle).startswith(b"HTTP/1.1 408")   # no request at all: closed too
+  early = socket.create_connection(("127.0.0.1", port))   # answered 413 before its body
+  early.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 5000\r\n\r\n")
+  early.settimeout(10)
+  got = early.recv(65536)
+  early.settimeout(0.2)
+  for _ in range(20):   # the body trickles in after the answer: the connection is closed
+    try:
+      early.sendall(b"x")
+      if not early.recv(65536):
+        break
+    except socket.timeout:
+      continue   # still open
+    except OSError:
+      break
+  else:
+    raise AssertionError("the connection stayed open after its early answer")
+  assert got.startswith(b"HTTP/1.1 413"), got
   ok = socket.create_connection(("127.0.0.1", port))   # room again
   ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nconnection: close\r\n\r\n")
   assert _read_all(ok).startswith(b"HTTP/1.1 503")     # "starting": served, not refused
-  for sock in (slow_headers, slow_body, idle, extra, ok):
+  for sock in (slow_headers, slow_body, idle, extra, ok, early):
     sock.close()

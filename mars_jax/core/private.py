@@ -12,6 +12,7 @@ raises `NotPrivate`, whose message names the path, what is wrong and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -45,10 +46,17 @@ def check_file(path: str, what: str) -> None:
 
 
 def private_dir(path: str, what: str) -> str:
-  """`path` (user-expanded, made with mode 0700 where missing) once it and every
-  directory above it are private (module doc); -> its real path. NotPrivate otherwise."""
-  path = os.path.expanduser(path)
-  os.makedirs(path, mode=0o700, exist_ok=True)
+  """`path` (user-expanded; it and each missing directory above it made with mode 0700)
+  once it and every directory above it are private (module doc); -> its real path.
+  NotPrivate otherwise."""
+  path = os.path.abspath(os.path.expanduser(path))
+  missing, up = [], path
+  while not os.path.exists(up):
+    missing.append(up)
+    up = os.path.dirname(up)
+  for directory in reversed(missing):
+    with contextlib.suppress(FileExistsError):
+      os.mkdir(directory, 0o700)
   real = os.path.realpath(path)
   check_file(real, what)
   parent = os.path.dirname(real)
@@ -63,12 +71,9 @@ def private_dir(path: str, what: str) -> str:
     parent = os.path.dirname(parent)
 
 
-def check_tree(path: str, what: str) -> int:
+def check_tree(path: str, what: str) -> None:
   """`check_file` on every file and directory under `path` (a cache another program
-  writes, read by it later) -> how many were checked."""
-  count = 0
+  writes, read by it later)."""
   for root, dirs, files in os.walk(path):
     for name in dirs + files:
       check_file(os.path.join(root, name), what)
-      count += 1
-  return count

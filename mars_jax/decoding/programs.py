@@ -54,14 +54,15 @@ import numpy as np
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache
 
-from mars_jax.core.private import check_file, private_dir
+from mars_jax.core.private import NotPrivate, check_file, private_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 << 30   # the store's size, past which the least recent files go
 STALE_TMP_S = 3600.0          # a temporary file without a live writer, older than this
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "-", platform.node()) or "host"
 _FILE = re.compile(r"^[A-Za-z0-9_]+-[0-9a-f]{40}\.xla$")   # the names `_path` gives
-_TMP = re.compile(r"^\.tmp-(?:(\d+)-)?[A-Za-z0-9_]+$")   # mkstemp's, with the writer's pid
+_TMP = re.compile(r"^\.tmp-(?:([A-Za-z0-9.-]+)\+(\d+)-)?[A-Za-z0-9_]+$")  # host+pid of the writer
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,8 +84,9 @@ def _cpu() -> str:
   """The CPU's model and instruction-set features (what XLA:CPU compiles for)."""
   try:
     with open("/proc/cpuinfo") as f:
-      info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
-                  if ":" in line)
+      info = {k.strip(): v for k, v in (line.split(":", 1) for line in
+                                          f.read().split("\n\n")[0].splitlines()
+                                          if ":" in line)}
     return " ".join(info.get(k, "").strip() for k in ("model name", "flags", "Features"))
   except OSError:
     return f"{platform.machine()} {platform.processor()}"
@@ -202,8 +204,8 @@ class Programs:
   def _load_or_compile(self, fn: Callable, key: tuple, args, kwargs, dynamic):
     path = self._path(key)
     if path and os.path.exists(path):
-      check_file(path, "the executable store")   # unpickled below: refuse a planted one
       try:
+        check_file(path, "the executable store")   # unpickled below: refuse a planted one
         with open(path, "rb") as f:
           payload, in_tree, out_tree = pickle.load(f)
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
@@ -211,6 +213,10 @@ class Programs:
         self.loaded += 1
         self._untried.add(key)
         return compiled
+      except NotPrivate:
+        raise
+      except FileNotFoundError:   # evicted by another process meanwhile: compile again
+        pass
       except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
         log.warning("compiling %s again: its saved executable %s did not load (%s: %s)",
                     fn.__name__, path, type(e).__name__, e)
@@ -222,20 +228,22 @@ class Programs:
     self.compiled += 1
     if path:
       blob = pickle.dumps(serialize_executable.serialize(compiled))
-      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".tmp-{os.getpid()}-")
+      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".tmp-{_HOST}+{os.getpid()}-")
       try:
         with os.fdopen(fd, "wb") as f:
           f.write(blob)
         os.replace(tmp, path)
       except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(tmp)
         raise
       self._evict(keep=path)
     return compiled
 
   def _remove_stale(self) -> None:
     """Removes the temporary files of writers that are gone (killed mid-write): those
-    naming a process that no longer runs, and unnamed ones older than `STALE_TMP_S`."""
+    naming a process of this host that no longer runs, and those of another host (a
+    shared directory) or of no name older than `STALE_TMP_S`."""
     now = time.time()
     for name in os.listdir(self.directory):
       match = _TMP.match(name)
@@ -243,8 +251,8 @@ class Programs:
         continue
       path = os.path.join(self.directory, name)
       try:
-        if match.group(1) is not None:
-          if _running(int(match.group(1))):
+        if match.group(1) == _HOST:
+          if _running(int(match.group(2))):
             continue
         elif now - os.lstat(path).st_mtime < STALE_TMP_S:
           continue
@@ -281,12 +289,13 @@ class Programs:
 
 
 def _running(pid: int) -> bool:
+  """Whether process `pid` of this host runs (another user's counts)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  except PermissionError:   # another user's process
-    return True
+  except PermissionError:
+    pass
   return True
 
 

@@ -6,9 +6,10 @@
   got.top_ids[i], got.top_logprobs[i]   # the `top` likeliest tokens there, best first
 
 One uncached causal forward of the clean (AR) model over the sequence, padded to a power
-of two (one compiled program per length bucket); the per-token mask (`flash.causal`)
-is never drawn out as [T, T], and the vocabulary's logits are built `CHUNK` positions at
-a time. The log-probabilities are the raw model's (log-softmax of its logits: no
+of two (one compiled program per length bucket), through the blockwise attention with
+its per-token mask (`flash.causal`, `attention_impl="flash"` whatever the model's
+runtime says), so nothing is [T, T]; the vocabulary's logits are built `CHUNK`
+positions at a time. The log-probabilities are the raw model's (log-softmax of its logits: no
 temperature or cut), as vLLM reports them by default. Decoding is lossless (or exact at
 tau = 1), so for those requests these are the log-probabilities of the model that chose
 each token.
@@ -16,6 +17,7 @@ each token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Sequence
 
@@ -73,10 +75,15 @@ def token_logprobs(config: Qwen2Config, params, ids: Sequence[int], *,
     raise ValueError("scoring needs at least two tokens (the first has no logprob).")
   if not 0 <= top <= MAX_TOP:
     raise ValueError(f"top={top}; at most {MAX_TOP} alternatives per token.")
+  outside = [t for t in ids if not 0 <= t < config.vocab_size]
+  if outside:
+    raise ValueError(f"token ids {outside[:4]} are outside the vocabulary [0, "
+                     f"{config.vocab_size}).")
   t = batching.pow2(len(ids), MIN_BUCKET)
   tokens = np.zeros((1, t), np.int32)
   tokens[0, :len(ids)] = ids
-  lp, top_ids, top_lp = jax.device_get(_scores(params, tokens, np.int32(len(ids)),
-                                               config=config, runtime=runtime))
+  lp, top_ids, top_lp = jax.device_get(_scores(
+      params, tokens, np.int32(len(ids)), config=config,
+      runtime=dataclasses.replace(runtime, attention_impl="flash")))
   n = len(ids) - 1
   return Scores(lp[:n], top_ids[:n, :top], top_lp[:n, :top])

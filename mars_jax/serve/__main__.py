@@ -123,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
                  help="engine deaths (a crash, the OOM killer) within 10 minutes that are "
                       "restarted; one more and the server exits with status 2")
   p.add_argument("--watchdog-s", type=float, default=300.0,
-                 help="an engine that ends no round for this long while requests are open "
+                 help="an engine that owes a round this long (from the dispatch of work, or "
+                      "its last round while requests are open) "
                       "is killed and restarted (0: never)")
   p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                  help="the key the /v1 endpoints require as 'Authorization: Bearer <key>' "

@@ -233,15 +233,18 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_request_bytes:
       raise too_big
-    chunks, size = [], 0
+    chunks = []
+
+    async def read() -> None:
+      size = 0
+      async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_request_bytes:
+          raise too_big
+        chunks.append(chunk)
     try:
-      async with asyncio.timeout(body_timeout):
-        async for chunk in request.stream():
-          size += len(chunk)
-          if size > max_request_bytes:
-            raise too_big
-          chunks.append(chunk)
-    except TimeoutError as e:
+      await asyncio.wait_for(read(), body_timeout)
+    except asyncio.TimeoutError as e:
       raise RequestError(f"the request body did not arrive within {body_timeout:g} s "
                          "(--body-timeout).", status=408) from e
     return b"".join(chunks)
@@ -254,7 +257,7 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     def run() -> Spec:
       try:
         body = json.loads(raw)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, nested too deep
         raise RequestError(f"the request body is not valid JSON: {e}.") from e
       return parse(body, model_name=model_name)
     return run() if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(run)
@@ -343,7 +346,7 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
       return protocol.completion_response(spec, c.text, c.finish_reason, use)
     scores = None
     ids = prompt + list(c.tokens)
-    if spec.logprobs is not None and len(ids) > 1:
+    if spec.logprobs is not None and len(ids) > 1:   # one token alone: none to score
       handle = submitted(lambda: engine.score(ids, spec.logprobs))
       try:
         scored = await outcome(request, handle)
@@ -365,9 +368,9 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     text = TextStream(known.tokenizer, spec.stop, (*ends, *spec.stop_token_ids))
     generated = 0
 
-    def so_far() -> dict | None:   # stream_options.continuous_usage_stats: every chunk
-      return (protocol.usage(handle.prompt_len, generated) if spec.continuous_usage
-              else None)
+    def so_far() -> dict | None:   # continuous_usage_stats (with include_usage): every chunk
+      return (protocol.usage(handle.prompt_len, generated)
+              if spec.continuous_usage and spec.include_usage else None)
     if spec.chat:
       yield sse(protocol.chunk(spec, None, first=True, so_far=so_far()))
     poll = None if request_timeout is None else DISCONNECT_POLL_S   # None: a plain await

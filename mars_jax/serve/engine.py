@@ -25,17 +25,22 @@ The engine process (`run`):
      through JAX's persistent compilation cache (`compilation_cache`), and sends
      `Ready` with the start-up seconds; it counts compiles after that (JAX's lowering
      events), which `/metrics` reports;
-  3. loops: takes every waiting command (blocking only while idle), submits and
-     cancels between rounds, runs a round, sends one `Round` message.
+  3. loops: takes every waiting command (blocking only while idle), submits, cancels
+     and scores (the AR model's logprobs, `decoding.scoring`) between rounds, runs a
+     round, sends one `Round` message.
 A round that raises fails only the requests in it (an `Error` each, HTTP 500); the
 server is `reset` to a fresh state and goes on with the queue. An engine process that
-dies once ready (killed, out of memory, a crash) is started again by the HTTP side
-(through the warm compilation cache), its open requests answered 503 with Retry-After;
-after more than `--max-restarts` deaths within `RESTART_WINDOW_S` the HTTP process
-gives up and exits with status 2, for a supervisor to take over. An engine that ends no
-round for `--watchdog-s` seconds while requests are open is stuck: the HTTP side kills
-it, and it is restarted like a dead one. While it is starting (or starting again) a
-shutdown kills it at once: it holds no request. Test hooks (environment
+dies once ready (killed, out of memory, a crash), or again while it starts anew, is
+started again by the HTTP side (through the warm compilation cache), its open requests
+answered 503 with Retry-After; a death is handled once, for the process it belongs to
+(each process has its own reader thread; a failed send and that reader report the same
+death). After more than `--max-restarts` deaths within `RESTART_WINDOW_S` the HTTP
+process gives up and exits with status 2, for a supervisor to take over. An engine that
+owes a round for `--watchdog-s` seconds is stuck: a round is owed from the moment work is
+sent to an idle engine, and from each round's message while requests stay open (never
+across an idle spell). The HTTP side kills it, and it is restarted like a dead one.
+While it is starting (or starting again) a shutdown kills it at once: it holds no
+request. Test hooks (environment
 variables): MARS_JAX_SERVE_FAIL_ROUNDS="3,7" makes those rounds raise;
 MARS_JAX_SERVE_ROUND_DELAY_S=0.2 sleeps that long after every round, so that requests
 stay in flight long enough for a test to act on them.
@@ -171,9 +176,11 @@ def compilation_cache(directory: str | None, max_bytes: int = DEFAULT_MAX_BYTES)
   """Turns on JAX's persistent compilation cache in `directory` (default:
   $MARS_JAX_COMPILATION_CACHE, else ~/.cache/mars_jax/jax; "" or "none": off), every
   compile cached however small, the cache bounded to `max_bytes` (JAX evicts the least
-  recently used) -> the directory used. The directory holds executables this process
+  recently used; an entry written without the bound gets the access-time file that
+  eviction reads) -> the directory used. The directory holds executables this process
   will run, so it, every directory above it and every file in it must be the user's and
-  writable by no one else: `mars_jax.core.private.NotPrivate` says what to fix."""
+  writable by no one else (`mars_jax.core.private.NotPrivate` says what to fix), and
+  the process's umask gains go-w so that what JAX writes there stays so."""
   import jax  # pylint: disable=import-outside-toplevel
   if directory is None:
     directory = os.environ.get(COMPILATION_CACHE_ENV) or os.path.join(
@@ -181,8 +188,15 @@ def compilation_cache(directory: str | None, max_bytes: int = DEFAULT_MAX_BYTES)
   if directory in ("", "none"):
     return None
   what = "--compilation-cache (its executables run in this server)"
+  os.umask(os.umask(0o022) | 0o022)   # what JAX writes there: writable by the user alone
   directory = private_dir(directory, what)
   check_tree(directory, what)
+  for entry in os.listdir(directory):   # JAX's LRU eviction reads an entry's -atime file,
+    if entry.endswith("-cache"):        # which a cache written without the bound lacks
+      atime = os.path.join(directory, entry[:-len("-cache")] + "-atime")
+      if not os.path.exists(atime):
+        with open(atime, "wb") as f:
+          f.write(time.time_ns().to_bytes(8, "little"))
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -221,6 +235,8 @@ class _Core:
         self.events.append((fid, Scored(scoring.token_logprobs(
             self.server.config, self.server.params, ids, runtime=self.server.runtime,
             top=top))))
+      except ValueError as e:  # the request's own fault (ids outside the vocabulary)
+        self.events.append((fid, Error(str(e), 400)))
       except Exception as e:  # noqa: BLE001 - this request hears it, the engine goes on
         log.exception("scoring a request raised; it fails, the engine goes on")
         self.events.append((fid, Error(f"scoring failed: {type(e).__name__}: {e}", 500)))
@@ -424,7 +440,7 @@ class Engine:
     self.on_failure = None   # called when the server must exit: no engine will serve
     self.restarting: str | None = None   # why the engine is being started again
     self.deaths: list[float] = []        # when served engines died (monotonic seconds)
-    self._handled: set = set()           # engine processes whose end was handled
+    self._handled = None                 # the engine process whose end was handled last
     self.due_since: float | None = None  # since when a round is owed (monotonic; None: idle)
     self._watching = False
 
@@ -527,10 +543,11 @@ class Engine:
     `RESTART_WINDOW_S`; otherwise every open request fails, /health says why, and the
     server exits (`on_failure`) when no engine ever served or it gave up. During a
     shutdown an engine that ends is no failure: what it held is answered 503."""
-    if proc is not self._proc or proc in self._handled:
+    if proc is not self._proc or proc is self._handled:
       return
-    self._handled.add(proc)
+    self._handled = proc
     self.due_since = None
+    self._outbox = []   # commands of requests answered below: for no engine
     if not self.admitting:
       self.answer_all("the server shut down before the request finished.", 503)
       return
@@ -545,6 +562,7 @@ class Engine:
         self.ready, self.restarting = None, why
         if proc.is_alive():   # a send failed on a pipe the process has not closed yet
           proc.kill()
+          proc.join(5)       # its device memory freed before the next one loads
         self.start()
         return
       why = (f"{why}; the engine died {len(self.deaths)} times in "

@@ -4,9 +4,10 @@ a deadline for a request's headers, and a cap on open connections.
   config = uvicorn.Config(app, http=limited_protocol(header_timeout=20, max_connections=1024))
 
 A connection that has not sent a whole request line and headers `header_timeout`
-seconds after it opened (or after its previous request's response began its next one)
-is answered 408 and closed: a client sending one byte at a time holds no connection
-for long. A connection past `max_connections` open ones is answered 503 with
+seconds after it opened (or, kept alive, after the first byte of its next request) is
+answered 408 and closed: a client sending one byte at a time holds no connection for
+long. A response sent before the request's body was read (401, 413, 503, 408) closes the
+connection, so a body trickled in after it holds nothing either. A connection past `max_connections` open ones is answered 503 with
 Retry-After and closed at once. The body's own deadline is the app's (`--body-timeout`),
 and idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
 """
@@ -44,7 +45,14 @@ def limited_protocol(*, header_timeout: float, max_connections: int) -> type:
 
     def on_message_begin(self) -> None:
       super().on_message_begin()
-      self._arm()
+      if self._header_timer is None:   # a kept-alive connection's next request
+        self._arm()
+
+    def on_response_complete(self) -> None:
+      if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+        self.transport.close()   # answered before its body came: nothing more to read
+        return
+      super().on_response_complete()
 
     def on_headers_complete(self) -> None:
       self._disarm()

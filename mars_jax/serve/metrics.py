@@ -41,7 +41,7 @@ def vllm_lines(m, label: str) -> list[str]:
     key = protocol.finish_reason(reason)
     success[key] = success.get(key, 0) + n
   metric("request_success_total", "counter", "Requests finished, by finish reason.",
-         [(f'{label},finish_reason="{r}"', success.get(r, 0)) for r in ("stop", "length")])
+         [(f'{label},finished_reason="{r}"', success.get(r, 0)) for r in ("stop", "length")])
   metric("num_preemptions_total", "counter", "Requests preempted for want of KV pages.",
          [(label, m.preemptions)])
   metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix "

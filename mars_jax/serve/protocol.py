@@ -65,7 +65,8 @@ class Spec:
   top_k, min_p, tau, gate, mode None: the server's defaults; seed: always set (drawn at
   random when the body has none); logprobs: how many alternatives each token's logprobs
   list (None: no logprobs); echo: the completion starts with the prompt (and its
-  logprobs); continuous_usage: every stream chunk carries the usage so far;
+  logprobs); continuous_usage: with include_usage, every stream chunk carries the usage
+  so far;
   chat_template_kwargs: extra variables for the chat template."""
   chat: bool
   model: str
@@ -203,6 +204,9 @@ def _common(body: dict, *, chat: bool, model_name: str, extra: set[str]) -> dict
   if not isinstance(include_usage, bool) or not isinstance(continuous, bool):
     raise RequestError("'stream_options.include_usage' and "
                        "'stream_options.continuous_usage_stats' must be booleans.",
+                       "stream_options")
+  if options and not stream:
+    raise RequestError("'stream_options' is only allowed with 'stream': true.",
                        "stream_options")
   tau = _typed(body, "tau", _is_number, "a number")
   if tau is not None:
@@ -444,6 +448,12 @@ def chunk(spec: Spec, delta: str | None, reason: str | None = None, *,
   return out
 
 
+def _finite(logprob) -> float:
+  """A logprob JSON can carry: -inf (a token the model rules out) as vLLM sends it."""
+  value = float(logprob)
+  return value if value > -9999.0 else -9999.0   # NaN too
+
+
 def logprobs_of(tokenizer, spec: Spec, prompt: list[int], completion, scores
                 ) -> tuple[str, dict | None]:
   """The choice's text and logprobs for a request that asked for logprobs or echo.
@@ -459,18 +469,18 @@ def logprobs_of(tokenizer, spec: Spec, prompt: list[int], completion, scores
   if spec.echo:
     shown = spec.prompt if isinstance(spec.prompt, str) else tokenizer.decode(prompt)
     text, first = shown + text, 0
-  if scores is None:
+  if spec.logprobs is None:
     return text, None
   ids = list(prompt) + list(completion.tokens)
   piece = tokenizer.decode
   rows = []   # (token string, logprob or None, [(alternative, logprob)] or None)
   for i in range(first, len(ids)):
-    if i == 0:
+    if i == 0:   # the prompt's first token: no logprob (nor scores when it is alone)
       rows.append((piece([ids[0]]), None, None))
       continue
-    alternatives = [(piece([int(t)]), float(lp)) for t, lp in
+    alternatives = [(piece([int(t)]), _finite(lp)) for t, lp in
                     zip(scores.top_ids[i - 1], scores.top_logprobs[i - 1])]
-    rows.append((piece([ids[i]]), float(scores.logprob[i - 1]), alternatives))
+    rows.append((piece([ids[i]]), _finite(scores.logprob[i - 1]), alternatives))
   if spec.chat:
     def entry(token, lp):
       return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
@@ -482,6 +492,6 @@ def logprobs_of(tokenizer, spec: Spec, prompt: list[int], completion, scores
     at += len(token)
   return text, {"tokens": [t for t, _, _ in rows],
                 "token_logprobs": [lp for _, lp, _ in rows],
-                "top_logprobs": [None if alts is None else dict(alts)
-                                 for _, _, alts in rows],
+                "top_logprobs": [None if alts is None else {**dict(alts), tok: lp}
+                                 for tok, lp, alts in rows],
                 "text_offset": offsets}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import time
@@ -305,7 +304,14 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
 
   async def outcome(request: Request, handle: Handle):
     """The request's last event (`Done` or `Scored`), or the response that ends it
-    otherwise: 499 (the client left), 504 (past --request-timeout), the engine's error."""
+    otherwise: 499 (the client left), 504 (past --request-timeout), the engine's error.
+    The request is cancelled however this ends (nothing, once it is done)."""
+    try:
+      return await last_event(request, handle)
+    finally:
+      engine.cancel(handle)
+
+  async def last_event(request: Request, handle: Handle):
     while True:
       try:
         event = await asyncio.wait_for(handle.__anext__(), DISCONNECT_POLL_S)
@@ -328,16 +334,15 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     spec = protocol.with_defaults(spec, sampling_defaults)
     prompt, known = await encoded(spec)
     if spec.max_tokens == 0:   # echo: the prompt scored, nothing generated
-      submit_kwargs(known, dataclasses.replace(spec, max_tokens=None), prompt)  # it fits
+      if len(prompt) > known.context_room:
+        raise RequestError(f"the prompt has {len(prompt)} tokens; this server holds at most "
+                           f"{known.context_room} per request. Shorten the prompt.", "prompt")
       c = Completion(-1, [], 0, "length", "")
     else:
       handle = await start(spec, prompt, known)
       if spec.stream:
         return _Streamed(stream(spec, handle, known), lambda: engine.cancel(handle))
-      try:
-        done = await outcome(request, handle)
-      finally:
-        engine.cancel(handle)
+      done = await outcome(request, handle)
       if not isinstance(done, Done):
         return done
       c = done.completion
@@ -347,11 +352,7 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     scores = None
     ids = prompt + list(c.tokens)
     if spec.logprobs is not None and len(ids) > 1:   # one token alone: none to score
-      handle = submitted(lambda: engine.score(ids, spec.logprobs))
-      try:
-        scored = await outcome(request, handle)
-      finally:
-        engine.cancel(handle)
+      scored = await outcome(request, submitted(lambda: engine.score(ids, spec.logprobs)))
       if not isinstance(scored, Scored):
         return scored
       scores = scored.scores
@@ -413,7 +414,8 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
     known = facts()
     ids = await asyncio.to_thread(tokenize_ids, known.tokenizer, spec)
     return {"count": len(ids), "max_model_len": known.context_room, "tokens": ids,
-            "token_strs": None}
+            "token_strs": (known.tokenizer.convert_ids_to_tokens(ids)
+                           if spec.return_token_strs else None)}
 
   @app.post("/detokenize")
   async def detokenize(request: Request):

@@ -604,25 +604,22 @@ class Engine:
     """Sends a request (`Server.submit`'s arguments) -> its handle; its first event says
     whether the engine took it (`Accepted`) or refused it (`Error`, status 400).
     RuntimeError when no new request is admitted (shutdown, no engine)."""
-    if not self.admitting or not self.alive or self.ready is None:
-      raise RuntimeError("the server is not admitting requests (starting, shutting down "
-                         "or its engine stopped).")
-    handle = Handle(self._next_id, len(prompt))
-    self._next_id += 1
-    self.handles[handle.request_id] = handle
-    self._send(("submit", handle.request_id, prompt, kwargs))
-    return handle
+    return self._open("submit", prompt, kwargs)
 
   def score(self, ids: list[int], top: int) -> Handle:
     """Asks the engine for the AR model's logprobs over `ids` (between two rounds) -> a
     handle whose one event is `Scored` (or `Error`). RuntimeError as `submit`."""
+    return self._open("score", list(ids), top)
+
+  def _open(self, kind: str, ids: list[int], *rest) -> Handle:
+    """A new request's handle, its command (kind, its id, ids, *rest) sent."""
     if not self.admitting or not self.alive or self.ready is None:
       raise RuntimeError("the server is not admitting requests (starting, shutting down "
                          "or its engine stopped).")
     handle = Handle(self._next_id, len(ids))
     self._next_id += 1
     self.handles[handle.request_id] = handle
-    self._send(("score", handle.request_id, list(ids), top))
+    self._send((kind, handle.request_id, ids, *rest))
     return handle
 
   def cancel(self, handle: Handle) -> None:

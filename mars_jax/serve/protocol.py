@@ -337,6 +337,7 @@ class Tokenize:
   add_special_tokens: bool
   add_generation_prompt: bool
   chat_template_kwargs: dict | None
+  return_token_strs: bool = False
 
 
 def _optional_model(body: dict, model_name: str) -> None:
@@ -349,10 +350,11 @@ def _optional_model(body: dict, model_name: str) -> None:
 def parse_tokenize(body: Any, *, model_name: str) -> Tokenize:
   """POST /tokenize (vLLM's): {"prompt", "add_special_tokens" (default true)} or
   {"messages", "add_generation_prompt" (default true), "chat_template_kwargs"}; "model"
-  optional."""
+  and "return_token_strs" optional. The chat template decides a chat's special
+  tokens."""
   body = _body(body)
   chat = "messages" in body
-  known = {"model", "add_special_tokens"} | (
+  known = {"model", "add_special_tokens", "return_token_strs"} | (
       {"messages", "add_generation_prompt", "chat_template_kwargs"} if chat else {"prompt"})
   unknown = sorted(set(body) - known)
   if unknown:
@@ -369,11 +371,13 @@ def parse_tokenize(body: Any, *, model_name: str) -> Tokenize:
       raise RequestError(f"'chat_template_kwargs' may not set '{taken[0]}'.",
                          "chat_template_kwargs")
     return Tokenize(None, turns, flag("add_special_tokens", False),
-                    flag("add_generation_prompt", True), kwargs)
+                    flag("add_generation_prompt", True), kwargs,
+                    flag("return_token_strs", False))
   prompt = body.get("prompt")
   if not isinstance(prompt, str):
     raise RequestError("'prompt' must be a string (or send 'messages').", "prompt")
-  return Tokenize(prompt, None, flag("add_special_tokens", True), False, None)
+  return Tokenize(prompt, None, flag("add_special_tokens", True), False, None,
+                  flag("return_token_strs", False))
 
 
 def parse_detokenize(body: Any, *, model_name: str) -> list[int]:

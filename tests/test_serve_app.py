@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 
 from mars_jax.benchmarks.serve_procs import free_port
 from mars_jax.serve import app as serve_app
-from mars_jax.serve.engine import Accepted, Engine, Handle, Loaded, Ready
+from mars_jax.serve.engine import Engine, Handle
+from mars_jax.serve.messages import Accepted, Loaded, Ready
 from mars_jax.serve.http_limits import limited_protocol
 
 KEY = "sk-test-123"

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from mars_jax.serve import engine
+from mars_jax.serve import engine, messages
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ def test_an_admission_that_raises_answers_that_request_and_the_engine_goes_on():
   assert c.take(("submit", 1, [5], {"raise": OverflowError("int too large")}))
   assert c.take(("submit", 2, [5], {"raise": ValueError("top_k=9; expected ...")}))
   assert c.take(("submit", 3, [5], {}))
-  errors = {fid: e for fid, e in c.events if isinstance(e, engine.Error)}
+  errors = {fid: e for fid, e in c.events if isinstance(e, messages.Error)}
   assert errors[1].status == 500 and "OverflowError" in errors[1].message
   assert errors[2].status == 400
   run_round(c)
@@ -130,8 +130,8 @@ def fake_run(conn, args):
   if args.die_loading and os.path.exists(args.die_loading):
     os.unlink(args.die_loading)
     os._exit(3)
-  conn.send(engine.Loaded(None, (), 100, 1, False, 4))
-  conn.send(engine.Ready(0.0, 0.0))
+  conn.send(messages.Loaded(None, (), 100, 1, False, 4))
+  conn.send(messages.Ready(0.0, 0.0))
   engine._Core(Slow(args.round_s), conn).serve()
 
 

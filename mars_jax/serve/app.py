@@ -43,8 +43,8 @@ import mars_jax
 from mars_jax.decoding.loading import chat_prompt_ids
 from mars_jax.serve import protocol
 from mars_jax.serve.metrics import metrics_text
-from mars_jax.serve.engine import (Accepted, Done, Engine, Error, Handle, Loaded, Scored,
-                                   Tokens)
+from mars_jax.serve.engine import Engine, Handle
+from mars_jax.serve.messages import Accepted, Done, Error, Loaded, Scored, Tokens
 from mars_jax.serve.requests import Completion
 from mars_jax.serve.protocol import MAX_REQUEST_BYTES, RequestError, Spec
 from mars_jax.serve.text_stream import TextStream

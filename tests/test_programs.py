@@ -80,6 +80,10 @@ def test_a_directory_or_file_others_can_write_is_refused_before_anything_is_read
   store = tmp_path / "store"
   _call(programs.Programs(str(store)))
   assert oct(store.stat().st_mode & 0o777) == "0o700"   # made private
+  deep = tmp_path / "made" / "for" / "it"
+  programs.Programs(str(deep))   # every directory it made is 0700, parents too
+  assert {oct(d.stat().st_mode & 0o777) for d in (deep, deep.parent, deep.parent.parent)} == {
+      "0o700"}
   (path,) = [store / f for f in os.listdir(store)]
   path.write_bytes(pickle.dumps(Planted(tmp_path / "planted")))
   for change in (lambda: path.chmod(0o666), lambda: os.chown(path, 4242, 4242)):

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -239,6 +240,21 @@ def _read_all(sock) -> bytes:
     data += got
 
 
+def _closed_while_trickling(sock, byte: bytes, tries: int = 20) -> bool:
+  """Sends `byte` every 0.2 s -> whether the server closes the connection meanwhile."""
+  sock.settimeout(0.2)
+  for _ in range(tries):
+    try:
+      sock.sendall(byte)
+      if not sock.recv(65536):
+        return True
+    except socket.timeout:
+      continue   # still open
+    except OSError:
+      return True
+  return False
+
+
 def test_slow_headers_slow_bodies_and_connections_past_the_cap_are_refused(limited_server):
   port = limited_server
   slow_headers = socket.create_connection(("127.0.0.1", port))
@@ -260,21 +276,57 @@ def test_slow_headers_slow_bodies_and_connections_past_the_cap_are_refused(limit
   early.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 5000\r\n\r\n")
   early.settimeout(10)
   got = early.recv(65536)
-  early.settimeout(0.2)
-  for _ in range(20):   # the body trickles in after the answer: the connection is closed
-    try:
-      early.sendall(b"x")
-      if not early.recv(65536):
-        break
-    except socket.timeout:
-      continue   # still open
-    except OSError:
-      break
-  else:
-    raise AssertionError("the connection stayed open after its early answer")
-  assert got.startswith(b"HTTP/1.1 413"), got
+  assert _closed_while_trickling(early, b"x"), "the connection stayed open after its answer"
+  assert got.startswith(b"HTTP/1.1 413") and b"connection: close" in got.lower(), got
+  crlf = socket.create_connection(("127.0.0.1", port))   # kept alive, then blank lines
+  crlf.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+  crlf.settimeout(10)
+  assert crlf.recv(65536).startswith(b"HTTP/1.1 503")
+  assert _closed_while_trickling(crlf, b"\r\n"), "blank lines held the connection"
   ok = socket.create_connection(("127.0.0.1", port))   # room again
   ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nconnection: close\r\n\r\n")
   assert _read_all(ok).startswith(b"HTTP/1.1 503")     # "starting": served, not refused
-  for sock in (slow_headers, slow_body, idle, extra, ok, early):
+  for sock in (slow_headers, slow_body, idle, extra, ok, early, crlf):
     sock.close()
+
+
+class Pieces:
+  """A tokenizer whose token i decodes to "<i>"."""
+
+  @staticmethod
+  def decode(ids):
+    return "".join(f"<{i}>" for i in ids)
+
+
+def test_logprobs_as_vllm_gives_them_and_stream_options_as_it_checks_them():
+  """Echo of a one-token prompt lists it with a null logprob; -inf is sent as -9999.0;
+  completions' top_logprobs hold the chosen token; stream_options need stream; an
+  echo-only prompt with ids outside the vocabulary is refused."""
+  spec = serve_app.protocol.parse_completion(
+      {"model": "m", "prompt": [5], "echo": True, "logprobs": 1, "max_tokens": 0},
+      model_name="m")
+  done = serve_app.Completion(0, [], 0, "length", "")
+  text, lp = serve_app.protocol.logprobs_of(Pieces, spec, [5], done, None)
+  assert text == "<5>" and lp == {"tokens": ["<5>"], "token_logprobs": [None],
+                                  "top_logprobs": [None], "text_offset": [0]}
+  scores = type("S", (), dict(logprob=np.asarray([-np.inf]),
+                              top_ids=np.asarray([[7]]), top_logprobs=np.asarray([[-0.1]])))
+  spec = dataclasses.replace(spec, echo=False, max_tokens=1)
+  _, lp = serve_app.protocol.logprobs_of(
+      Pieces, spec, [5], serve_app.Completion(0, [9], 1, "length", "<9>"), scores)
+  assert lp["token_logprobs"] == [-9999.0]
+  assert lp["top_logprobs"] == [{"<7>": -0.1, "<9>": -9999.0}]
+  with pytest.raises(serve_app.RequestError, match="only allowed with 'stream'"):
+    serve_app.protocol.parse_completion({"model": "m", "prompt": "x", "stream_options": {
+        "include_usage": True}}, model_name="m")
+  engine = Stalled()
+  engine.loaded = type("K", (), {"done": staticmethod(lambda: True), "result": staticmethod(
+      lambda: dataclasses.replace(Known.result(), vocab_size=64, tokenizer=Pieces))})()
+  http = TestClient(serve_app.create_app(engine, model_name="m", max_queued=4,
+                                         sampling_defaults={}))
+  r = http.post("/v1/completions", json={"model": "m", "prompt": [1, 99], "echo": True,
+                                         "max_tokens": 0})
+  assert r.status_code == 400 and "outside the vocabulary" in r.text, r.text
+  r = http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "echo": True,
+                                         "max_tokens": 0})
+  assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text

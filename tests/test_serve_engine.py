@@ -162,6 +162,7 @@ def with_engine(args, body):
       e.start()
       await until(lambda: e.ready is not None)
       await body(e)
+      await asyncio.sleep(0)
     finally:
       e.admitting = False
       e.close()
@@ -207,3 +208,23 @@ def test_a_death_is_handled_once_and_a_death_while_loading_is_one_restart(monkey
     assert len(e.deaths) == 2 and e.failure is None and not die.exists()
     assert await served(e) == ["Accepted", "Tokens", "Done"]
   with_engine(fake_args(die_loading=str(die), max_restarts=2), body)
+
+
+def test_one_death_reported_twice_ends_the_server_once(monkeypatch):
+  """--max-restarts 0: a send on a dead engine's pipe gives up (one death, the server
+  told to exit once); that engine's reader reports the same death after, and it is
+  dropped, not a second failure."""
+  monkeypatch.setattr(engine, "run", fake_run)
+  exits = []
+
+  async def body(e):
+    e.on_failure = lambda: exits.append(1)
+    old = e._proc
+    os.kill(old.pid, signal.SIGKILL)
+    old.join()
+    e._send(("cancel", 99))
+    e._flush()
+    assert e.failure and "giving up" in e.failure and exits == [1]
+    await asyncio.sleep(1.0)   # the reader's report arrives, and is dropped
+    assert exits == [1] and len(e.deaths) == 1
+  with_engine(fake_args(max_restarts=0), body)

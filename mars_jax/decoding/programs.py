@@ -227,18 +227,25 @@ class Programs:
                       "arguments (or a static one holds arrays); call it through jit.")
     self.compiled += 1
     if path:
-      blob = pickle.dumps(serialize_executable.serialize(compiled))
-      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".tmp-{_HOST}+{os.getpid()}-")
-      try:
-        with os.fdopen(fd, "wb") as f:
-          f.write(blob)
-        os.replace(tmp, path)
-      except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-          os.unlink(tmp)
-        raise
-      self._evict(keep=path)
+      self._save(compiled, path)
     return compiled
+
+  def _save(self, compiled, path: str) -> None:
+    """Writes the executable to `path` atomically; a write that fails (a full disk, its
+    temporary file removed under it) is logged, and the program serves all the same."""
+    blob = pickle.dumps(serialize_executable.serialize(compiled))
+    fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".tmp-{_HOST}+{os.getpid()}-")
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+      os.replace(tmp, path)
+    except OSError as e:
+      log.warning("could not save the executable %s (%s); it is compiled again next time",
+                  path, e)
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+      return
+    self._evict(keep=path)
 
   def _remove_stale(self) -> None:
     """Removes the temporary files of writers that are gone (killed mid-write): those

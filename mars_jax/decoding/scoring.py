@@ -67,10 +67,9 @@ def _scores(params, tokens, length, *, config: Qwen2Config, runtime: Runtime):
   return lp.reshape(t), ids.reshape(t, -1), lps.reshape(t, -1)
 
 
-def token_logprobs(config: Qwen2Config, params, ids: Sequence[int], *,
-                   runtime: Runtime = DEFAULT_RUNTIME, top: int = 0) -> Scores:
-  """The log-probability of each token of `ids` after the first, and the `top`
-  likeliest tokens at each of those positions (module doc). ids: at least 2 tokens."""
+def check(config: Qwen2Config, ids: Sequence[int], top: int) -> None:
+  """Raises ValueError on a sequence `token_logprobs` cannot score: under two tokens, ids
+  outside the vocabulary, more than MAX_TOP alternatives."""
   if len(ids) < 2:
     raise ValueError("scoring needs at least two tokens (the first has no logprob).")
   if not 0 <= top <= MAX_TOP:
@@ -79,6 +78,13 @@ def token_logprobs(config: Qwen2Config, params, ids: Sequence[int], *,
   if outside:
     raise ValueError(f"token ids {outside[:4]} are outside the vocabulary [0, "
                      f"{config.vocab_size}).")
+
+
+def token_logprobs(config: Qwen2Config, params, ids: Sequence[int], *,
+                   runtime: Runtime = DEFAULT_RUNTIME, top: int = 0) -> Scores:
+  """The log-probability of each token of `ids` after the first, and the `top`
+  likeliest tokens at each of those positions (module doc); `check`'s ValueError."""
+  check(config, ids, top)
   t = batching.pow2(len(ids), MIN_BUCKET)
   tokens = np.zeros((1, t), np.int32)
   tokens[0, :len(ids)] = ids

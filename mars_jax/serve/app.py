@@ -175,6 +175,8 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
   @app.exception_handler(RequestError)
   async def request_error(request, e: RequestError):
     headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    if e.status in (401, 408, 413):   # answered before its body was read: close after it
+      headers = {"Connection": "close"}
     return JSONResponse(protocol.error_body(str(e), e.param, e.kind), status_code=e.status,
                         headers=headers)
 
@@ -337,6 +339,9 @@ def create_app(engine: Engine, *, model_name: str, max_queued: int,
       if len(prompt) > known.context_room:
         raise RequestError(f"the prompt has {len(prompt)} tokens; this server holds at most "
                            f"{known.context_room} per request. Shorten the prompt.", "prompt")
+      if known.vocab_size and any(not 0 <= t < known.vocab_size for t in prompt):
+        raise RequestError(f"'prompt' has token ids outside the vocabulary [0, "
+                           f"{known.vocab_size}).", "prompt")
       c = Completion(-1, [], 0, "length", "")
     else:
       handle = await start(spec, prompt, known)

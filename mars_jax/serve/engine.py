@@ -135,11 +135,14 @@ class _Core:
     if kind == "score":
       _, fid, ids, top = command
       try:
+        scoring.check(self.server.config, ids, top)
+      except ValueError as e:  # the request's own fault (ids outside the vocabulary)
+        self.events.append((fid, Error(str(e), 400)))
+        return True
+      try:
         self.events.append((fid, Scored(scoring.token_logprobs(
             self.server.config, self.server.params, ids, runtime=self.server.runtime,
             top=top))))
-      except ValueError as e:  # the request's own fault (ids outside the vocabulary)
-        self.events.append((fid, Error(str(e), 400)))
       except Exception as e:  # noqa: BLE001 - this request hears it, the engine goes on
         log.exception("scoring a request raised; it fails, the engine goes on")
         self.events.append((fid, Error(f"scoring failed: {type(e).__name__}: {e}", 500)))
@@ -266,7 +269,8 @@ def run(conn: Connection, args) -> None:
     conn.send(Loaded(model.tokenizer, tuple(model.eos_token_ids),
                      min(server.max_len - server.extra_slots,
                          server.config.max_position_embeddings),
-                     server.max_window, server.drafter is not None, server.max_batch))
+                     server.max_window, server.drafter is not None, server.max_batch,
+                     server.config.vocab_size))
     warm_begin = time.perf_counter()
     if args.warmup:
       server.warmup(args.warmup_prompt_len)

@@ -6,8 +6,9 @@ a deadline for a request's headers, and a cap on open connections.
 A connection that has not sent a whole request line and headers `header_timeout`
 seconds after it opened (or, kept alive, after the first byte of its next request) is
 answered 408 and closed: a client sending one byte at a time holds no connection for
-long. A response sent before the request's body was read (401, 413, 503, 408) closes the
-connection, so a body trickled in after it holds nothing either. A connection past `max_connections` open ones is answered 503 with
+long; so is one that sends only blank lines after a response. A response sent before the
+request's body was read (401, 413, 408, which the app marks `connection: close`) closes
+the connection, so a body trickled in after it holds nothing either. A connection past `max_connections` open ones is answered 503 with
 Retry-After and closed at once. The body's own deadline is the app's (`--body-timeout`),
 and idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
 """
@@ -49,10 +50,13 @@ def limited_protocol(*, header_timeout: float, max_connections: int) -> type:
         self._arm()
 
     def on_response_complete(self) -> None:
-      if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+      if (not self.pipeline and self.cycle is not None and self.cycle.more_body
+          and not self.transport.is_closing()):
         self.transport.close()   # answered before its body came: nothing more to read
         return
       super().on_response_complete()
+      if not self.transport.is_closing():   # kept alive: its next request's headers are
+        self._arm()                         # due in time too (CRLFs between don't count)
 
     def on_headers_complete(self) -> None:
       self._disarm()
@@ -73,9 +77,11 @@ def limited_protocol(*, header_timeout: float, max_connections: int) -> type:
 
     def _headers_late(self) -> None:
       self._header_timer = None
-      if self.transport.is_closing() or (self.cycle is not None
-                                         and not self.cycle.response_complete):
-        return   # a request is being answered: its headers came
+      if self.transport.is_closing():
+        return
+      if self.cycle is not None and not self.cycle.response_complete:
+        self._arm()   # a request is being answered: time the next one's headers after it
+        return
       self.transport.write(_response(
           "408 Request Timeout", f"the request's headers did not arrive within "
           f"{header_timeout:g} s (--header-timeout)."))

@@ -77,13 +77,14 @@ class Metrics:
 class Loaded:
   """What the HTTP side needs of the model: tokenizer, EOS ids, the most tokens one
   request may hold (prompt + completion), the largest window a request may fix,
-  whether a drafter decodes, the batch rows."""
+  whether a drafter decodes, the batch rows, the model's vocabulary."""
   tokenizer: Any
   eos_token_ids: tuple[int, ...]
   context_room: int
   max_window: int
   drafter: bool
   max_batch: int
+  vocab_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 the toy trained in seconds, written as an export from before `pard_token`, prepared with
 `python -m mars_jax.export --checkpoint HF_DIR --out OUT`, served with the command that
 export prints; vLLM's greedy completions equal our AR decoding token for token, and its
-speculative-decoding counters show the toy's proposals accepted.
+speculative-decoding counters show the toy's proposals accepted. And the other way
+round: vLLM's own load generator, `vllm bench serve`, against our server.
 
 `-m vllm`, a step of its own in .ci/run. vLLM lives in its own venv outside the clone
 (`bash launch/vllm_venv.sh`, requirements-vllm.txt); without one the test is skipped,

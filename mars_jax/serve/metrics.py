@@ -20,13 +20,18 @@ from __future__ import annotations
 from mars_jax.serve import protocol
 
 
+def family(name: str, kind: str, help_: str, samples) -> list[str]:
+  """One metric's lines in the Prometheus text format: samples [(labels, value)]."""
+  return ([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+          + [f"{name}{{{labels}}} {value}" for labels, value in samples])
+
+
 def vllm_lines(m, label: str) -> list[str]:
   """The engine's counters `m` (`engine.Metrics`) under vLLM's names."""
   lines = []
 
   def metric(name, kind, help_, samples):
-    lines.extend([f"# HELP vllm:{name} {help_}", f"# TYPE vllm:{name} {kind}"])
-    lines.extend(f"vllm:{name}{{{labels}}} {value}" for labels, value in samples)
+    lines.extend(family(f"vllm:{name}", kind, help_, samples))
 
   metric("num_requests_running", "gauge", "Requests decoding now.", [(label, m.running)])
   metric("num_requests_waiting", "gauge", "Requests waiting for a row.", [(label, m.queued)])
@@ -71,8 +76,7 @@ def metrics_text(engine, model_name: str, drafter: bool) -> str:
   lines = []
 
   def metric(name, kind, help_, samples):
-    lines.extend([f"# HELP mars_{name} {help_}", f"# TYPE mars_{name} {kind}"])
-    lines.extend(f"mars_{name}{{{labels}}} {value}" for labels, value in samples)
+    lines.extend(family(f"mars_{name}", kind, help_, samples))
 
   metric("requests_total", "counter", "Requests finished, by finish reason.",
          [(f'{label},finish_reason="{r}"', n) for r, n in sorted(m.requests.items())]

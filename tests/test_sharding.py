@@ -8,6 +8,7 @@ The (data=2, tensor=2) comparison of loss and gradients runs there on 4 of them.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -31,8 +32,11 @@ VOCAB = 128
 MASK = VOCAB - 1
 LAYOUTS = [  # (data, fsdp, tensor, micro_batches, objective kind)
     (1, 8, 1, 1, "mars"), (2, 2, 2, 1, "mars"), (1, 2, 4, 2, "mars"), (4, 1, 2, 1, "ar_sft")]
-CONTEXT_LAYOUTS = {"mars": dict(data=1, fsdp=2, context=2, tensor=2),  # objective: mesh
-                   "ar_sft": dict(data=2, context=4)}
+# (objective, row length L, stream length n, mesh): n not a multiple of 8 or of the
+# shards, T = L + n not a multiple of c, odd c, and tensor x context x fsdp.
+CONTEXT_CASES = [("mars", 100, 63, dict(data=1, fsdp=2, context=2, tensor=2)),
+                 ("mars", 101, 62, dict(data=1, context=3, tensor=2)),
+                 ("ar_sft", 101, 63, dict(data=2, context=4))]
 
 
 def tiny_config():
@@ -117,20 +121,24 @@ def tensor_parallel_vs_single_device():
 
 def context_parallel_vs_single_device():
   """Child process body: MARS (random block offsets, the target-block stream) and AR-SFT
-  loss and gradients over packed rows with the positions split over `context` (each on
-  its layout of `CONTEXT_LAYOUTS`), vs one device; and whether the context meshes
-  lowered the sharded attention (shard_map)."""
-  config, batch = tiny_config(), random_rows(4, 100, seed=3)
+  loss and gradients over packed rows with the positions split over `context` (each
+  case of `CONTEXT_CASES`), vs one device; and whether the context meshes lowered the
+  sharded attention (shard_map)."""
+  config = tiny_config()
   params = jax.device_get(qwen2.init_params(config, jax.random.key(4)))
   one = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
   out = []
-  for kind, layout in CONTEXT_LAYOUTS.items():
+  for kind, length, stream_length, layout in CONTEXT_CASES:
+    batch = random_rows(4, length, seed=3)
     obj = objective.ObjectiveConfig(kind=kind, block_size=4, mask_token_id=MASK,
-                                    stream_length=64)
+                                    stream_length=stream_length)
     ref_loss, ref_grads = jax.device_get(loss_and_grads_fn(config, obj, one)(params, batch))
-    fn = loss_and_grads_fn(config, obj, sharding.make_mesh(sharding.MeshConfig(**layout)))
+    devices = jax.devices()[:math.prod(layout.values())]
+    fn = loss_and_grads_fn(config, obj,
+                           sharding.make_mesh(sharding.MeshConfig(**layout), devices))
     loss, grads = jax.device_get(fn(params, batch))
-    out.append(dict(kind=kind, layout=layout, loss_diff=abs(float(loss) - float(ref_loss)),
+    out.append(dict(kind=kind, length=length, stream_length=stream_length, layout=layout,
+                    loss_diff=abs(float(loss) - float(ref_loss)),
                     grad_diff=max_tree_diff(grads, ref_grads),
                     grad_max=max(float(np.abs(g).max()) for g in jax.tree.leaves(grads)),
                     sharded_attention="sdy.manual_computation" in fn.lower(
@@ -400,11 +408,13 @@ def test_tensor_parallel_activations_equal_single_device(eight_devices):
 
 
 def test_context_parallel_loss_and_gradients_equal_single_device(eight_devices):
-  """Each row's positions split over 2 devices beside fsdp and tensor (MARS) and over 4
-  beside data (AR-SFT): the sharded attention runs, and loss and gradients are one
-  device's, packing included."""
+  """Each row's positions split over 2 devices beside fsdp and tensor and over 3 beside
+  tensor (MARS), and over 4 beside data (AR-SFT), at lengths no shard count divides: the
+  sharded attention runs, and loss and gradients are one device's, packing included.
+  (Stream length 63 on fsdp x context x tensor got gradients 1.3e-2 off while the
+  target stream's arrays could be split unevenly: `objective._stream`.)"""
   results = eight_devices["context_parallel"]
-  assert len(results) == len(CONTEXT_LAYOUTS)
+  assert len(results) == len(CONTEXT_CASES)
   for r in results:
     assert r["sharded_attention"] and r["grad_max"] > 1e-3, r
     assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r

@@ -41,6 +41,21 @@ def axes() -> tuple[str, ...]:
   return tuple(a for a in names if mesh.shape[a] > 1)
 
 
+def length_shards() -> int:
+  """How many pieces the length of an activation may be cut into when XLA propagates
+  shardings: the product of the mesh axes of more than one device that do not split the
+  batch (`activation_batch`), under the rules bound by `sharding.activation_sharding`
+  (1 without them). An array whose length these do not divide may be split unevenly,
+  and XLA's SPMD partitioner mis-scatters a gather's gradient split so (the padding of
+  its indices adds into position 0): `objective` pads its target streams to a multiple."""
+  rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty:
+    return 1
+  spec = nn.logical_to_mesh_axes(("activation_batch",), rules)[0]
+  batch = (spec,) if isinstance(spec, str) else tuple(spec or ())
+  return math.prod(n for a, n in mesh.shape.items() if a not in batch)
+
+
 def size() -> int:
   """How many shards the positions of a row are split into (1: no context parallelism)."""
   mesh = jax.sharding.get_abstract_mesh()

@@ -42,7 +42,7 @@ import numpy as np
 from mars_jax.core import choices
 from mars_jax.training import masks
 from mars_jax.core.choices import IntraBlock, Kind, Normalization
-from mars_jax.models import flash, qwen2
+from mars_jax.models import context, flash, qwen2
 from mars_jax.models.qwen2 import DEFAULT_RUNTIME, Runtime
 
 Array = jax.Array
@@ -407,8 +407,23 @@ def check_mask_token_id(config: qwen2.Qwen2Config, mask_token_id) -> None:
         "(it takes a spare embedding row), or resize the embeddings.")
 
 
-def _stream_length(objective: ObjectiveConfig, length: int) -> int:
-  return min(objective.stream_length or length, length)
+def _stream(f: dict[str, Array], block_size: int, objective: ObjectiveConfig
+            ) -> dict[str, Array]:
+  """The objective's `target_stream` of the fields `f`, with empty slots put in front up
+  to a multiple of `context.length_shards()` (which keeps the stream packed to its end:
+  the bound of `target_stream` holds). The pass is the same function (empty slots are
+  padding); a [b, n] array is then never split unevenly, where XLA's partitioner would
+  send the gradient of `_gather` for the padding into position 0 (seen at n = 63 on
+  context 2 x tensor 2)."""
+  length = f["tokens"].shape[1]
+  stream = target_stream(f, block_size, min(objective.stream_length or length, length))
+  n = stream["index"].shape[1]
+  pad = -n % context.length_shards()
+  if pad:
+    stream = dict(stream, index=jnp.pad(stream["index"], ((0, 0), (pad, 0)),
+                                        constant_values=length),
+                  valid=jnp.pad(stream["valid"], ((0, 0), (pad, 0))))
+  return stream
 
 
 def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
@@ -417,7 +432,7 @@ def _mars_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   """MARS sums of the fields `f` of one batch (see `objective_sums`)."""
   block = objective.block_size
   length = f["tokens"].shape[1]
-  stream = target_stream(f, block, _stream_length(objective, length))
+  stream = _stream(f, block, objective)
   n = stream["index"].shape[1]
   tokens, positions, attn_mask = _two_stream(f, stream, block, objective.mask_token_id,
                                              objective.intra_block)
@@ -458,7 +473,7 @@ def _ar_sft_sums(config: qwen2.Qwen2Config, params: Any, f: dict[str, Array],
   hidden = qwen2.forward_hidden(config, params, f["tokens"], f["positions"], attn_mask,
                                 runtime=runtime, spans=spans or None, dropout_rng=dropout_rng,
                                 dropout_rows=row_hashes(f["tokens"]))
-  stream = target_stream(f, 1, _stream_length(objective, f["tokens"].shape[1]))
+  stream = _stream(f, 1, objective)
   ce, correct = token_cross_entropy(config, params, _gather(hidden, stream),
                                     _gather(f["labels"], stream),
                                     chunk_size=objective.chunk_size, runtime=runtime)

@@ -7,6 +7,7 @@ computes, forward or backward, is [T, T]."""
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,51 @@ def test_nothing_grows_with_the_square_of_the_row(remat):
     return _largest(jaxpr.jaxpr)
   assert largest(1024, "xla") >= 3.5 * largest(512, "xla")
   assert largest(1024, "flash") <= 2.2 * largest(512, "flash")
+
+
+def _count(jaxpr, primitive: str) -> int:
+  """How many `primitive` equations a jaxpr and the jaxprs inside it hold."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == primitive
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _count(inner, primitive)
+  return n
+
+
+def test_every_remat_policy_stays_linear_in_the_row_and_keeps_flash_residuals(capsys):
+  """Each remat policy with flash: XLA's temporaries for the MARS loss's gradients at
+  T = 1024 are at most 2.2x those at T = 512 ("dots" kept every tile's scores: 275 MiB
+  at T = 2048, 1086 at 4096), the gradients are remat="none"'s, and "names" and "dots"
+  keep flash's named residuals (`flash.RESIDUALS`) instead of running its forward tiles
+  again in the backward ("full" does: two more `exp` per layer)."""
+  config = tiny_config()
+  params = random_params(config)
+
+  def loss(remat, length):
+    runtime = RT.replace(remat=remat, attention_impl="flash")   # unrolled: names stay
+    batch = random_rows(1, length, seed=3)
+    return lambda p: objective.mars_loss(config, p, batch, block_size=4, mask_token_id=MASK,
+                                         stream_length=length, runtime=runtime,
+                                         attention_chunk=None)[0]
+  exps, grads = {}, {}
+  for remat in ("none", "full", "dots", "dots_with_no_batch_dims", "names"):
+    short, long = (jax.jit(jax.grad(loss(remat, n))).lower(params).compile()
+                   for n in (256, 512))
+    temps = [c.memory_analysis().temp_size_in_bytes for c in (short, long)]
+    assert temps[1] <= 2.2 * temps[0], (remat, temps)
+    grads[remat] = short(params)
+    assert max_tree_diff(grads[remat], grads["none"]) < TOL, remat
+    exps[remat] = _count(jax.make_jaxpr(jax.grad(loss(remat, 256)))(params).jaxpr, "exp")
+  assert exps["names"] == exps["dots"] == exps["dots_with_no_batch_dims"] == exps["none"]
+  assert exps["full"] == exps["none"] + 2 * config.num_hidden_layers, exps
+  capsys.readouterr()
+  jax.ad_checkpoint.print_saved_residuals(loss("names", 256), params)
+  saved = re.findall(r"named '(\w+)'", capsys.readouterr().out)
+  assert all(saved.count(name) == config.num_hidden_layers for name in flash.RESIDUALS), saved
 
 
 def test_a_mars_train_step_at_8192_positions_runs_in_linear_memory():

@@ -302,7 +302,8 @@ class Runtime:
     on, "xla" below).
   remat: rematerialisation policy of each decoder layer: "none", "full" (save
     nothing), "dots", "dots_with_no_batch_dims" (JAX's matmul policies) or "names"
-    (save the model's named checkpoints, `qwen2.CHECKPOINT_NAMES`).
+    (save the model's named checkpoints, `qwen2.CHECKPOINT_NAMES`). With flash,
+    "dots" and "names" also keep its output and log-sum-exp (`flash.RESIDUALS`).
   scan_layers: layers stacked on a leading axis under `nn.scan` (the params tree
     then holds `layers/...`; unrolled it holds `layers_0 .. layers_{L-1}`).
   lora: the adapters the params tree holds beside the weights and the forward adds

@@ -43,9 +43,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 TILE = 128  # positions per query and key tile
+RESIDUALS = ("flash_out", "flash_lse")  # the backward's residuals, named for remat policies
 _FLOOR = -1e30  # the running max's start: far below a real score, far above a masked one
 _BIG = 1 << 30  # the summaries' bound for an empty set
 
@@ -202,9 +204,12 @@ def _forward(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
     return out.astype(v.dtype), jnp.where(l > 0, m + jnp.log(l), jnp.inf)
 
+  # Under a layer's remat the policy reads this forward: nothing of a tile (its scores,
+  # a `dots` policy's pick) is kept, and the residuals are named (`RESIDUALS`).
+  query_tile = jax.checkpoint(query_tile, policy=jax.checkpoint_policies.nothing_saveable)
   out, lse = jax.lax.map(query_tile, jnp.arange(qt.shape[0]))   # [nq, b, kvh, g, tile, (d)]
-  merged = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d)
-  return merged, (q, k, v, q_mask, k_mask, out, lse)
+  out = checkpoint_name(out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d), RESIDUALS[0])
+  return out, (q, k, v, q_mask, k_mask, out, checkpoint_name(lse, RESIDUALS[1]))
 
 
 def _backward(tile: int, residuals, d_out: Array):
@@ -215,8 +220,9 @@ def _backward(tile: int, residuals, d_out: Array):
   scale = 1.0 / jnp.sqrt(jnp.float32(d))
   q_sum, k_sum = _summary(q_mask, tile), _summary(k_mask, tile)
   nonempty = lambda i, j: _nonempty(q_sum, i, k_sum, j, q_mask.causal_blocks)
-  do = d_out.reshape(b, nq, tile, kvh, g, d).transpose(1, 0, 3, 4, 2, 5)  # as qt
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [n,b,k,g,tq]
+  as_qt = lambda a: a.reshape(b, nq, tile, kvh, g, d).transpose(1, 0, 3, 4, 2, 5)
+  do = as_qt(d_out)
+  delta = jnp.sum(do.astype(jnp.float32) * as_qt(out).astype(jnp.float32), axis=-1)  # [n,b,k,g,tq]
 
   def probs(i, j):
     """Tile (i, j)'s probabilities and their score gradients' factor: float32

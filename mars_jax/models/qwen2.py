@@ -43,7 +43,10 @@ values a remat policy may keep: "query", "key" (after the Qwen3 norm and RoPE),
 "value", "attn_out" (attention before the output projection) and "mlp_hidden".
 `runtime.remat` picks the policy of each decoder layer (`_REMAT`): "none" (no remat),
 "full" (save nothing), "dots" / "dots_with_no_batch_dims" (JAX's matmul policies) or
-"names" (save exactly the named checkpoints, recompute the rest).
+"names" (save exactly the named checkpoints, recompute the rest). The blockwise
+attention's residuals (its output and log-sum-exp, `flash.RESIDUALS`) are kept by
+"names" and both "dots" policies, and no policy sees inside its tiles, so each stays
+linear in the row (a matmul policy would otherwise keep every tile's scores).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mars_jax.models import attention, context, paged
+from mars_jax.models import attention, context, flash, paged
 from mars_jax.models.attention import Spans, cached_attention, uncached_attention
 from mars_jax.models.flash import TokenMask
 from mars_jax.models.config import (  # noqa: F401  (re-exported)
@@ -67,11 +70,15 @@ from mars_jax.models.layers import (
 Array = jax.Array
 CHECKPOINT_NAMES = ("query", "key", "value", "attn_out", "mlp_hidden")
 
+_FLASH = jax.checkpoint_policies.save_only_these_names(*flash.RESIDUALS)
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "names": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES),
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, _FLASH),
+    "dots_with_no_batch_dims": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _FLASH),
+    "names": jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES,
+                                                           *flash.RESIDUALS),
 }
 
 

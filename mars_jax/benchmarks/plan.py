@@ -180,10 +180,10 @@ def attention_work(cfg, shards: int = 1) -> dict:
   out = {"positions": int(mask.segment.shape[1]), "tile": flash.TILE, "tiles": tiles,
          "allowed": allowed, "ratio": tiles * flash.TILE ** 2 / max(allowed, 1)}
   if shards > 1:
-    striped = mask.map(lambda a: context.split(a, shards))
-    local = striped.segment.shape[1] // shards
+    dealt = mask.map(lambda a: context.split(a, shards))
+    local = dealt.segment.shape[1] // shards
     out["shard_tiles"] = [int(flash.tile_pairs(
-        striped.map(lambda a, s=s: a[:, s * local:(s + 1) * local]), striped))
+        dealt.map(lambda a, s=s: a[:, s * local:(s + 1) * local]), dealt))
         for s in range(shards)]
   return out
 

@@ -4,15 +4,21 @@ for an uncached pass whose mask is per token (`flash.TokenMask`).
 
 A transformer whose positions (RoPE) and mask (each token's own vectors, its place in
 the pass included) travel with its tokens is the same function of any order of them. So
-the pass is dealt out round robin before the first layer (`split`: position p to shard
-p mod c of c), every shard holding early and late positions of both streams, and causal
-attention costs every shard the same (the load balancing a contiguous split lacks: its
-last shard would score c times the keys of its first); `merge` puts the final hidden
-states back in order. Everything but attention is per position, and runs on each
-shard's positions as they are; attention (`attention`) runs each shard's queries against
-every shard's keys, K, V and the keys' mask vectors all-gathered over the context axes,
-through `flash.flash_attention` (its backward reduce-scatters dK and dV). Nothing of
-shape [T, T] exists; per device a layer holds its T / c queries and the row's K and V.
+the pass is dealt out before the first layer (`split`) and put back in order after the
+last (`merge`). It is cut into chunks of at most one attention tile (`flash.TILE`),
+dealt to the c shards in rounds, every other round in reverse ("snake" order: round 0
+gives chunk s to shard s, round 1 chunk 2c - 1 - s, ...; two rounds of T / 2c when the
+row is short: MaxText's zigzag). Each shard then holds early and late positions of both
+streams, so causal attention costs every shard the same (a contiguous split's last
+shard would score c times the keys of its first), and a chunk is a whole tile, so the
+blockwise attention's tile skipping sees contiguous positions: on packed rows of short
+segments a shard computes the tiles one device would (dealing single positions round
+robin made each tile span c times the positions, and 3 to 4 times the tiles ran).
+Everything but attention is per position, and runs on each shard's positions as they
+are; attention (`attention`) runs each shard's queries against every shard's keys, K, V
+and the keys' mask vectors all-gathered over the context axes, through
+`flash.flash_attention` (its backward reduce-scatters dK and dV). Nothing of shape
+[T, T] exists; per device a layer holds its T / c queries and the row's K and V.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mars_jax.models import flash
 from mars_jax.models.layers import HEADS_AXES, KV_HEADS_AXES, fit_spec
@@ -62,30 +69,40 @@ def size() -> int:
   return math.prod(mesh.shape[a] for a in axes())
 
 
+def _rounds(length: int, shards: int) -> tuple[int, int]:
+  """(rounds, chunk) of a row of `length` positions dealt to `shards`: chunks of at most
+  one tile, at least two rounds; rounds * shards * chunk >= length."""
+  rounds = max(2, -(-length // (shards * flash.TILE)))
+  return rounds, -(-length // (rounds * shards))
+
+
+def _snake(rounds: int) -> np.ndarray:
+  """bool[rounds]: the rounds dealt in reverse (every other one)."""
+  return np.arange(rounds) % 2 == 1
+
+
 def split(a: Array, shards: int) -> Array:
-  """a: [b, t, ...] -> [b, T, ...] `stripe`d, T = t rounded up to a multiple of the
-  shards (zeros after t: padding, segment 0 in a mask)."""
+  """a: [b, t, ...] -> [b, T, ...] dealt out in snake order (the module's doc): shard s
+  holds positions [s * T / shards, (s + 1) * T / shards) of the result. T is t rounded
+  up to rounds * shards * chunk (`_rounds`; zeros after t: padding, segment 0 in a
+  mask)."""
   b, t = a.shape[:2]
-  pad = -(-t // shards) * shards - t
-  return stripe(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), shards)
+  rounds, chunk = _rounds(t, shards)
+  a = jnp.pad(a, [(0, 0), (0, rounds * shards * chunk - t)] + [(0, 0)] * (a.ndim - 2))
+  a = a.reshape(b, rounds, shards, chunk, *a.shape[2:])
+  flip = _snake(rounds).reshape((1, rounds) + (1,) * (a.ndim - 2))
+  a = jnp.where(flip, jnp.flip(a, axis=2), a)
+  return a.swapaxes(1, 2).reshape(b, rounds * shards * chunk, *a.shape[4:])
 
 
 def merge(a: Array, shards: int, length: int) -> Array:
-  """The inverse of `split`: [b, T, ...] -> [b, length, ...] in order."""
-  return unstripe(a, shards)[:, :length]
-
-
-def stripe(a: Array, shards: int) -> Array:
-  """a: [b, T, ...] (T a multiple of shards) -> the same positions dealt out round
-  robin: shard s's T / shards positions are s, s + shards, s + 2 shards, ..."""
+  """The inverse of `split`: [b, T, ...] dealt out -> [b, length, ...] in order."""
   b, t = a.shape[:2]
-  return a.reshape(b, t // shards, shards, *a.shape[2:]).swapaxes(1, 2).reshape(a.shape)
-
-
-def unstripe(a: Array, shards: int) -> Array:
-  """The inverse of `stripe`: [b, T, ...] dealt out -> in order."""
-  b, t = a.shape[:2]
-  return a.reshape(b, shards, t // shards, *a.shape[2:]).swapaxes(1, 2).reshape(a.shape)
+  rounds, chunk = _rounds(length, shards)
+  a = a.reshape(b, shards, rounds, chunk, *a.shape[2:]).swapaxes(1, 2)
+  flip = _snake(rounds).reshape((1, rounds) + (1,) * (a.ndim - 2))
+  a = jnp.where(flip, jnp.flip(a, axis=2), a)
+  return a.reshape(b, t, *a.shape[4:])[:, :length]
 
 
 def attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
@@ -93,7 +110,7 @@ def attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
   (each shard's queries against the keys of all).
 
   q: [b, T, heads, d]; k, v: [b, T, kv_heads, d]; mask: the pass's TokenMask ([b, T]
-  fields), every array in the same (striped) order -> [b, T, heads, d]. Batch, heads and
+  fields), every array in the same (dealt-out) order -> [b, T, heads, d]. Batch, heads and
   positions are split as their logical axes say; kv heads that the tensor axes do not
   split like the query heads are repeated to one per query head first.
   """

@@ -32,6 +32,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The test processes themselves compile without that cache; the CLI, server and
+# multi-device subprocesses they start share it (through the environment above). In the
+# e2e run a worker died in JAX's write of a cache entry (a segfault inside
+# `executable.serialize()`, after many programs read from and written to the shared
+# directory), and pytest-xdist then hung; a program compiled in a worker is seldom met in
+# another process anyway. pytest.ini's --max-worker-restart=0 ends the run if a worker
+# still dies, instead of waiting forever.
+jax.config.update("jax_enable_compilation_cache", False)
+
 
 def default_selection(config) -> str:
   """The marker expression of pytest.ini's addopts (`-m "..."`): the default selection."""

@@ -146,6 +146,41 @@ def context_parallel_vs_single_device():
   return out
 
 
+def lora_dropout_context_vs_single_device():
+  """Child process body: the MARS loss and adapter gradients with LoRA dropout (0.3, its
+  key fixed) on (fsdp 2, context 2, tensor 2) vs one device, at the first case of
+  `CONTEXT_CASES`, and how far dropout moves the loss (so that the masks matter)."""
+  _, length, stream_length, layout = CONTEXT_CASES[0]
+  config, batch = tiny_config(), random_rows(4, length, seed=3)
+  runtime = qwen2.Runtime(lora=qwen2.LoraSpec(rank=4, alpha=8.0, dropout=0.3,
+                                              mask_token_id=MASK))
+  params = jax.device_get(qwen2.init_params(config, jax.random.key(4), runtime=runtime))
+  noise = iter(jax.random.split(jax.random.key(5), len(jax.tree.leaves(params))))
+  params = jax.tree_util.tree_map_with_path(   # B != 0: the adapters (and masks) matter
+      lambda path, a: a + 0.1 * np.asarray(jax.random.normal(next(noise), a.shape))
+      if "lora_b" in jax.tree_util.keystr(path) else a, params)
+  obj = objective.ObjectiveConfig(kind="mars", block_size=4, mask_token_id=MASK,
+                                  stream_length=stream_length)
+
+  def run(mesh, key):
+    def loss_and_grads(params, batch):
+      with sharding.activation_sharding(mesh):
+        grads, sums = train_step.loss_and_grads(config, obj, params, batch, runtime=runtime,
+                                                dropout_rng=key)
+      return objective.finalize(sums)[0], grads
+    return jax.device_get(jax.jit(loss_and_grads, in_shardings=(
+        sharding.param_shardings(config, mesh, runtime=runtime),
+        sharding.batch_sharding(mesh)))(params, batch))
+  one = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+  ref_loss, ref_grads = run(one, jax.random.key(7))
+  loss, grads = run(sharding.make_mesh(sharding.MeshConfig(**layout)), jax.random.key(7))
+  plain, _ = run(one, None)
+  return dict(loss_diff=abs(float(loss) - float(ref_loss)),
+              grad_diff=max_tree_diff(grads, ref_grads),
+              grad_max=max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads)),
+              dropout_moved=abs(float(ref_loss) - float(plain)))
+
+
 def sharded_vs_single_device():
   """Child process body (8 CPU devices): max differences of every layout vs 1 device."""
   config, tx, batch = tiny_config(), make_tx(), packed_batch()
@@ -178,6 +213,7 @@ def sharded_vs_single_device():
       embedding=str(shardings["embedding"].spec))
   out["tensor_parallel"] = tensor_parallel_vs_single_device()
   out["context_parallel"] = context_parallel_vs_single_device()
+  out["lora_dropout"] = lora_dropout_context_vs_single_device()
   return out
 
 
@@ -418,6 +454,15 @@ def test_context_parallel_loss_and_gradients_equal_single_device(eight_devices):
   for r in results:
     assert r["sharded_attention"] and r["grad_max"] > 1e-3, r
     assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
+
+
+def test_lora_dropout_under_context_parallelism_draws_one_devices_masks(eight_devices):
+  """LoRA dropout on (fsdp 2, context 2, tensor 2): each token's masks are drawn from
+  where it sits in its row, not where context parallelism deals it (nor the target
+  stream's padded length), so loss and adapter gradients are one device's."""
+  r = eight_devices["lora_dropout"]
+  assert r["dropout_moved"] > 1e-3 and r["grad_max"] > 1e-4, r
+  assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
 
 
 def test_one_device_mesh_leaves_activations_unconstrained():

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mars_jax.models import rope
+from mars_jax.models.flash import TokenMask
 from mars_jax.models.config import DEFAULT_RUNTIME, Qwen2Config, Runtime
 
 Array = jax.Array
@@ -87,6 +88,25 @@ def _lora_a_init(key, shape, dtype):
   return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+def dropout_ids(rows: Array, mask: Any, length: int) -> Array:
+  """uint32[b, length, 3]: what each token's LoRA dropout masks are drawn with
+  (`low_rank`): its row's id (rows: uint32[b], e.g. a hash of the row's tokens), then
+  what places the token in its row however the pass is laid out (context parallelism
+  deals positions out, and the target stream's slots move with its length). From a
+  per-token mask (`flash.TokenMask`): a clean token's index in the row, (0, index); a
+  noisy one's segment and in-segment position, (segment, position). From any other mask
+  (or None): (0, its index in the pass)."""
+  b = rows.shape[0]
+  if isinstance(mask, TokenMask):
+    kind = jnp.where(mask.noisy, mask.segment, 0).astype(jnp.uint32)
+    place = jnp.where(mask.noisy, mask.position, mask.index).astype(jnp.uint32)
+  else:
+    kind = jnp.zeros((b, length), jnp.uint32)
+    place = jnp.broadcast_to(jnp.arange(length, dtype=jnp.uint32), (b, length))
+  return jnp.stack([jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], (b, length)),
+                    kind, place], axis=-1)
+
+
 def low_rank(module: nn.Module, x: Array, name: str, in_shape: tuple[int, ...],
              in_axes: tuple[str, ...], out_shape: tuple[int, ...],
              out_axes: tuple[str, ...], rows: Array | None = None) -> Array | None:
@@ -96,9 +116,10 @@ def low_rank(module: nn.Module, x: Array, name: str, in_shape: tuple[int, ...],
   x: [..., *in_shape] -> [..., *out_shape]. Params `{p}_lora_a` [*in, rank] and
   `{p}_lora_b` [rank, *out] (p: the kernel's name without "_kernel"), with the logical
   axes of the kernel's dims and "lora_rank". Dropout only when the caller passes a
-  "dropout" rng (training): row i's mask is drawn from that key folded with rows[i]
-  (uint32[b], e.g. a hash of the row's tokens: the same mask wherever the row sits in
-  the batch and however the batch is split; None: the row's index)."""
+  "dropout" rng (training): each token's mask is drawn from that key folded with its
+  `dropout_ids` (rows: uint32[b, t, 3]; None: the row's index and the token's), so a
+  token gets the same mask wherever its row sits in the batch and wherever the token
+  sits in the pass."""
   spec, rt = module.runtime.lora, module.runtime
   if spec is None or not spec.targets_projection(name):
     return None
@@ -109,9 +130,14 @@ def low_rank(module: nn.Module, x: Array, name: str, in_shape: tuple[int, ...],
             rt.jnp_param_dtype, nn.initializers.zeros)
   if spec.dropout > 0 and module.has_rng("dropout"):
     key = module.make_rng("dropout")
-    ids = jnp.arange(x.shape[0], dtype=jnp.uint32) if rows is None else rows
-    keep = jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(key, i),
-                                                   1.0 - spec.dropout, x.shape[1:]))(ids)
+    if rows is None:
+      rows = dropout_ids(jnp.arange(x.shape[0], dtype=jnp.uint32), None, x.shape[1])
+
+    def draw(ids):
+      token = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, ids[0]), ids[1]),
+                                 ids[2])
+      return jax.random.bernoulli(token, 1.0 - spec.dropout, x.shape[2:])
+    keep = jax.vmap(jax.vmap(draw))(rows)
     x = jnp.where(keep, x / (1.0 - spec.dropout), 0).astype(x.dtype)
   h = dense(x, a.astype(rt.jnp_dtype), in_dims=len(in_shape))
   return dense(h, b.astype(rt.jnp_dtype)) * jnp.asarray(spec.scale, rt.jnp_dtype)

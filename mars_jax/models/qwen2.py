@@ -65,7 +65,7 @@ from mars_jax.models.config import (  # noqa: F401  (re-exported)
     DEFAULT_RUNTIME, PRESETS, LoraSpec, Qwen2Config, Runtime, preset, scan_layers_of)
 from mars_jax.models.layers import (
     EMBED_AXES, HEADS_AXES, KV_HEADS_AXES, MLP_AXES, VOCAB_AXES, RMSNorm, apply_rope,
-    constrain, dense, low_rank, param, rope_cos_sin)
+    constrain, dense, dropout_ids, low_rank, param, rope_cos_sin)
 
 Array = jax.Array
 CHECKPOINT_NAMES = ("query", "key", "value", "attn_out", "mlp_hidden")
@@ -240,7 +240,9 @@ class Qwen2ForCausalLM(nn.Module):
                          "array.")
       split = lambda a: context.split(a, shards)
       tokens, positions, attn_mask = split(tokens), split(positions), attn_mask.map(split)
-    elif not attention.keeps_token_mask(self.runtime.attention_impl, length):
+    if dropout_rows is not None:   # [b] -> each token's ids, read off the mask as laid out
+      dropout_rows = dropout_ids(dropout_rows, attn_mask, tokens.shape[1])
+    if shards == 1 and not attention.keeps_token_mask(self.runtime.attention_impl, length):
       attn_mask = attention.dense(attn_mask)  # drawn out once, not in every layer
     x = self.embed(tokens)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
@@ -317,8 +319,7 @@ def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
   long passes); elsewhere it is drawn out once, bool[b, t, t].
   spans: static query/key spans that hold every key the mask allows (`span_attention`).
   dropout_rng: the LoRA adapters' dropout (`runtime.lora`, training); None: none.
-  dropout_rows: uint32[b], what each row's dropout masks are drawn with beside the key
-  (`low_rank`)."""
+  dropout_rows: uint32[b], each row's id in its tokens' dropout masks (`dropout_ids`)."""
   hidden, _ = Qwen2ForCausalLM(config, runtime, spans).apply(
       {"params": params}, tokens, positions, attn_mask, method="hidden",
       dropout_rows=dropout_rows, rngs=None if dropout_rng is None else {"dropout": dropout_rng})

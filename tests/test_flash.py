@@ -66,6 +66,27 @@ def test_token_mask_is_the_two_stream_rule(block_size, intra_block):
       masks.segment_causal_mask(jnp.asarray(batch["segment_ids"]))))
 
 
+@pytest.mark.parametrize("intra_block", ["causal", "bidirectional"])
+def test_tiles_are_skipped_only_when_empty_and_unmasked_only_when_full(intra_block):
+  """The kernel's per-tile decision (`flash._kind`) against the dense mask, tiles of 8
+  over a MARS pass and a causal row: a tile it skips allows no pair, and a tile it
+  computes with no mask allows every pair; both kinds occur."""
+  batch = random_rows(1, 96, seed=11)
+  tile, kinds = 8, {0: 0, 1: 0, 2: 0}
+  for mask in (two_stream_mask(batch, 4, intra_block, stream_length=64)[0],
+               flash.causal(jnp.asarray(batch["segment_ids"]))):
+    dense = np.asarray(flash.dense_mask(mask))[0]
+    tiles = np.arange(dense.shape[0] // tile)
+    summary = flash._summary(mask, tile)   # pylint: disable=protected-access
+    decide = lambda i, j: flash._kind(summary, i, summary, j, mask.causal_blocks)  # pylint: disable=protected-access
+    kind = np.asarray(jax.vmap(jax.vmap(decide, (None, 0)), (0, None))(tiles, tiles))
+    blocks = dense.reshape(len(tiles), tile, len(tiles), tile).swapaxes(1, 2)
+    assert not blocks[kind == 0].any() and blocks[kind == 2].all(), kind
+    for k in kinds:
+      kinds[k] += int(np.sum(kind == k))
+  assert min(kinds.values()) > 0, kinds
+
+
 @pytest.mark.parametrize("heads,kv_heads,tile", [(4, 2, 16), (4, 4, 8), (6, 2, 128)])
 def test_outputs_and_gradients_equal_the_dense_attention(heads, kv_heads, tile):
   """Every query that sees a key gets the dense attention's output; the gradients of a

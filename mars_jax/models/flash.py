@@ -19,11 +19,13 @@ The [T, T] scores are computed in [tile, tile] tiles with an online softmax (fp3
 sum and accumulator, inputs in their own dtype), each tile's mask computed inside the
 tile from the vectors. A tile that the mask leaves empty is skipped (`lax.cond`: no
 FLOPs), judged from per-tile summaries of the vectors (the ranges of segments, indices,
-positions and blocks of each stream), which hold no pair of positions. Its backward is
+positions and blocks of each stream), which hold no pair of positions; a tile that the
+mask allows whole (`_full`: one segment, keys all before the queries, say) is computed
+with no mask at all. Its backward is
 its own (`jax.custom_vjp`): the forward saves the output and each query's log-sum-exp,
-and the backward recomputes each tile's probabilities from them, in one pass over the
-key tiles of every query tile (dq) and one over the query tiles of every key tile (dk,
-dv). Query and key tiles are loops (`lax.map`, `fori_loop`), so the program is the
+and the backward recomputes each tile's probabilities from them in one pass over the
+query tiles of every key tile, as FlashAttention-2 does: five tile matmuls (the scores,
+dP, dV, dK, and dQ added into a buffer of the whole dQ), against two for the forward. Query and key tiles are loops (`lax.map`, `fori_loop`), so the program is the
 same size whatever T is. Grouped-query attention multiplies each kv head against its
 group of query heads; K and V are never repeated. A query that may see no key gets
 zeros.
@@ -110,6 +112,8 @@ class _Summary(NamedTuple):
   noisy_seg: tuple[Array, Array]
   noisy_pos: tuple[Array, Array]
   noisy_block: tuple[Array, Array]
+  all_clean: Array   # bool[b, n]: every token of the tile is a live clean one
+  all_noisy: Array   # bool[b, n]: every token of the tile is a live noisy one
 
 
 def _summary(mask: TokenMask, tile: int) -> _Summary:
@@ -125,7 +129,8 @@ def _summary(mask: TokenMask, tile: int) -> _Summary:
   clean, dirty = live & ~noisy, live & noisy
   seg, pos, blk = tiles(mask.segment), tiles(mask.position), tiles(mask.block)
   return _Summary(span(seg, clean), span(index, clean), span(blk, clean),
-                  span(seg, dirty), span(pos, dirty), span(blk, dirty))
+                  span(seg, dirty), span(pos, dirty), span(blk, dirty),
+                  jnp.all(clean, axis=-1), jnp.all(dirty, axis=-1))
 
 
 def _nonempty(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
@@ -140,6 +145,32 @@ def _nonempty(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool)
     noisy &= at(k.noisy_pos, j)[0] <= at(q.noisy_pos, i)[1]
   cross = overlap(nq, ck) & (at(k.clean_block, j)[0] < at(q.noisy_block, i)[1])
   return jnp.any(clean | noisy | cross)
+
+
+def _full(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
+  """Whether the mask allows every pair of query tile i and key tile j in every row
+  (then the tile needs no mask): both tiles one segment, and clean keys at or before
+  every clean query, clean keys of earlier blocks than every noisy query, or noisy keys
+  of the noisy queries' one block (at or before each, `causal_blocks`): bool[]."""
+  at = lambda s, n: (s[0][:, n], s[1][:, n])
+  one = lambda a, c: (a[0] == a[1]) & (a[0] == c[0]) & (c[0] == c[1])
+  qc, kc, qn, kn = q.all_clean[:, i], k.all_clean[:, j], q.all_noisy[:, i], k.all_noisy[:, j]
+  clean = (qc & kc & one(at(q.clean_seg, i), at(k.clean_seg, j))
+           & (at(k.clean_index, j)[1] <= at(q.clean_index, i)[0]))
+  cross = (qn & kc & one(at(q.noisy_seg, i), at(k.clean_seg, j))
+           & (at(k.clean_block, j)[1] < at(q.noisy_block, i)[0]))
+  noisy = (qn & kn & one(at(q.noisy_seg, i), at(k.noisy_seg, j))
+           & one(at(q.noisy_block, i), at(k.noisy_block, j)))
+  if causal_blocks:
+    noisy &= at(k.noisy_pos, j)[1] <= at(q.noisy_pos, i)[0]
+  return jnp.all(clean | cross | noisy)
+
+
+def _kind(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
+  """int32[]: 0 skip tile (i, j) (`_nonempty`), 1 compute it masked, 2 compute it with
+  no mask (`_full`)."""
+  return jnp.where(_nonempty(q, i, k, j, causal_blocks),
+                   jnp.where(_full(q, i, k, j, causal_blocks), 2, 1), 0)
 
 
 def _tile_mask(mask: TokenMask, n: Array, tile: int) -> TokenMask:
@@ -185,17 +216,20 @@ def _forward(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
     qi, mi = qt[i], _tile_mask(q_mask, i, tile)
 
     def key_tile(j, carry):
-      def update(carry):
+      def update(carry, masked):
         m, l, acc = carry
-        s = _scores(qi, kt[j]) + _bias(allowed(mi, _tile_mask(k_mask, j, tile)))
+        s = _scores(qi, kt[j])
+        if masked:
+          s = s + _bias(allowed(mi, _tile_mask(k_mask, j, tile)))
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         decay = jnp.exp(m - m_new)
         pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vt.dtype), vt[j],
                         preferred_element_type=jnp.float32)
         return m_new, l * decay + jnp.sum(p, axis=-1), acc * decay[..., None] + pv
-      return jax.lax.cond(_nonempty(q_sum, i, k_sum, j, q_mask.causal_blocks), update,
-                          lambda c: c, carry)
+      return jax.lax.switch(_kind(q_sum, i, k_sum, j, q_mask.causal_blocks),
+                            [lambda c: c, lambda c: update(c, True),
+                             lambda c: update(c, False)], carry)
 
     init = (jnp.full((b, kvh, g, tile), _FLOOR, jnp.float32),
             jnp.zeros((b, kvh, g, tile), jnp.float32),
@@ -219,44 +253,44 @@ def _backward(tile: int, residuals, d_out: Array):
   nq, nk, kvh, g = qt.shape[0], kt.shape[0], kt.shape[2], qt.shape[3]
   scale = 1.0 / jnp.sqrt(jnp.float32(d))
   q_sum, k_sum = _summary(q_mask, tile), _summary(k_mask, tile)
-  nonempty = lambda i, j: _nonempty(q_sum, i, k_sum, j, q_mask.causal_blocks)
+  kind = lambda i, j: _kind(q_sum, i, k_sum, j, q_mask.causal_blocks)
   as_qt = lambda a: a.reshape(b, nq, tile, kvh, g, d).transpose(1, 0, 3, 4, 2, 5)
   do = as_qt(d_out)
   delta = jnp.sum(do.astype(jnp.float32) * as_qt(out).astype(jnp.float32), axis=-1)  # [n,b,k,g,tq]
 
-  def probs(i, j):
+  def probs(i, j, masked):
     """Tile (i, j)'s probabilities and their score gradients' factor: float32
     [b, kvh, g, tile, tile] each."""
-    visible = allowed(_tile_mask(q_mask, i, tile), _tile_mask(k_mask, j, tile))
-    p = jnp.exp(_scores(qt[i], kt[j]) + _bias(visible) - lse[i][..., None])
+    s = _scores(qt[i], kt[j])
+    if masked:
+      s = s + _bias(allowed(_tile_mask(q_mask, i, tile), _tile_mask(k_mask, j, tile)))
+    p = jnp.exp(s - lse[i][..., None])
     dp = jnp.einsum("bkgqd,bksd->bkgqs", do[i], vt[j], preferred_element_type=jnp.float32)
     return p, p * (dp - delta[i][..., None])
 
-  def dq_tile(i):
-    def key_tile(j, acc):
-      def update(acc):
-        _, ds = probs(i, j)
-        return acc + jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(kt.dtype), kt[j],
-                                preferred_element_type=jnp.float32)
-      return jax.lax.cond(nonempty(i, j), update, lambda a: a, acc)
-    return jax.lax.fori_loop(0, nk, key_tile, jnp.zeros((b, kvh, g, tile, d), jnp.float32))
-
-  def dkv_tile(j):
-    def query_tile(i, acc):
-      def update(acc):
-        dk, dv = acc
-        p, ds = probs(i, j)
+  def key_tile(dq, j):
+    """One pass over the query tiles of key tile j: its dK and dV, and each query
+    tile's share of dQ added into dq [nq, b, kvh, g, tile, d] (five tile matmuls: S,
+    dP, dV, dK, dQ)."""
+    def query_tile(i, carry):
+      def update(carry, masked):
+        dq, dk, dv = carry
+        p, ds = probs(i, j, masked)
         dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(do.dtype), do[i],
                              preferred_element_type=jnp.float32)
         dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(qt.dtype), qt[i],
                              preferred_element_type=jnp.float32)
-        return dk, dv
-      return jax.lax.cond(nonempty(i, j), update, lambda a: a, acc)
+        dq = dq.at[i].add(jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(kt.dtype), kt[j],
+                                     preferred_element_type=jnp.float32))
+        return dq, dk, dv
+      return jax.lax.switch(kind(i, j), [lambda c: c, lambda c: update(c, True),
+                                         lambda c: update(c, False)], carry)
     zeros = jnp.zeros((b, kvh, tile, d), jnp.float32)
-    return jax.lax.fori_loop(0, nq, query_tile, (zeros, zeros))
+    dq, dk, dv = jax.lax.fori_loop(0, nq, query_tile, (dq, zeros, zeros))
+    return dq, (dk, dv)
 
-  dq = jax.lax.map(dq_tile, jnp.arange(nq))            # [nq, b, kvh, g, tile, d]
-  dk, dv = jax.lax.map(dkv_tile, jnp.arange(nk))       # [nk, b, kvh, tile, d]
+  dq, (dk, dv) = jax.lax.scan(key_tile, jnp.zeros((nq, b, kvh, g, tile, d), jnp.float32),
+                              jnp.arange(nk))          # dq as qt; dk, dv [nk, b, kvh, tile, d]
   dq = (dq * scale).transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d).astype(q.dtype)
   kv_back = lambda a, like: a.transpose(1, 0, 3, 2, 4).reshape(like.shape).astype(like.dtype)
   return dq, kv_back(dk, k), kv_back(dv, v), None, None

@@ -156,14 +156,15 @@ def _shard_work(mask: flash.TokenMask, shards: int) -> tuple[int, list[int]]:
 
 
 def test_dealing_out_balances_the_shards_and_keeps_their_tiles_whole():
-  """Rows of 16,384 tokens over 8 context shards, tiles of 128: the shards together
-  compute at most 1.2x one device's tiles, and the busiest at most 1.2x its share, for
-  a causal row of one segment, one packed with 512-token segments, and a MARS pass over
-  512-token segments (B 4, every block kept). Dealt out a position at a time, the
-  packed rows ran 3.2x and 4.4x one device's tiles; zigzag halves of T / 2c left a MARS
-  shard 1.3x its share (the noisy stream's padding sits at its start)."""
-  shards, length = 8, 16384
-  segments = lambda size: np.repeat(np.arange(1, length // size + 1), size)[None]
+  """Rows of 16,000 tokens (no multiple of 8 tiles) over 8 context shards, tiles of
+  128: the shards together compute at most 1.2x one device's tiles, and the busiest at
+  most 1.2x its share, for a causal row of one segment, one packed with 512-token
+  segments, and a MARS pass over 512-token segments (B 4, every block kept). Dealt out
+  a position at a time, the packed rows ran 3.2x and 4.4x one device's tiles; zigzag
+  halves of T / 2c left a MARS shard 1.3x its share (the noisy stream's padding sits at
+  its start); chunks that were not whole tiles ran 9.6x on the packed causal row."""
+  shards, length = 8, 16000
+  segments = lambda size: (np.arange(length) // size + 1)[None]
   loss_mask = np.zeros((1, length), bool)
   for start in range(0, length, 512):
     loss_mask[:, start + 128:start + 512] = True
@@ -277,7 +278,7 @@ def test_every_remat_policy_stays_linear_in_the_row_and_keeps_flash_residuals(ca
   T = 1024 are at most 2.2x those at T = 512 ("dots" kept every tile's scores: 275 MiB
   at T = 2048, 1086 at 4096), the gradients are remat="none"'s, and "names" and "dots"
   keep flash's named residuals (`flash.RESIDUALS`) instead of running its forward tiles
-  again in the backward ("full" does: two more `exp` per layer)."""
+  again in the backward ("full" does: its `exp`s appear again)."""
   config = tiny_config()
   params = random_params(config)
 
@@ -297,7 +298,7 @@ def test_every_remat_policy_stays_linear_in_the_row_and_keeps_flash_residuals(ca
     assert max_tree_diff(grads[remat], grads["none"]) < TOL, remat
     exps[remat] = _count(jax.make_jaxpr(jax.grad(loss(remat, 256)))(params).jaxpr, "exp")
   assert exps["names"] == exps["dots"] == exps["dots_with_no_batch_dims"] == exps["none"]
-  assert exps["full"] == exps["none"] + 2 * config.num_hidden_layers, exps
+  assert exps["full"] > exps["none"], exps
   capsys.readouterr()
   jax.ad_checkpoint.print_saved_residuals(loss("names", 256), params)
   saved = re.findall(r"named '(\w+)'", capsys.readouterr().out)

@@ -5,10 +5,10 @@ for an uncached pass whose mask is per token (`flash.TokenMask`).
 A transformer whose positions (RoPE) and mask (each token's own vectors, its place in
 the pass included) travel with its tokens is the same function of any order of them. So
 the pass is dealt out before the first layer (`split`) and put back in order after the
-last (`merge`). It is cut into chunks of at most one attention tile (`flash.TILE`),
-dealt to the c shards in rounds, every other round in reverse ("snake" order: round 0
-gives chunk s to shard s, round 1 chunk 2c - 1 - s, ...; two rounds of T / 2c when the
-row is short: MaxText's zigzag). Each shard then holds early and late positions of both
+last (`merge`). It is cut into chunks of one attention tile (`flash.TILE`; the row
+padded to whole rounds), dealt to the c shards in rounds, every other round in reverse
+("snake" order: round 0 gives chunk s to shard s, round 1 chunk 2c - 1 - s, ...; on a
+row shorter than 2c tiles, two rounds of T / 2c: MaxText's zigzag). Each shard then holds early and late positions of both
 streams, so causal attention costs every shard the same (a contiguous split's last
 shard would score c times the keys of its first), and a chunk is a whole tile, so the
 blockwise attention's tile skipping sees contiguous positions: on packed rows of short
@@ -70,10 +70,14 @@ def size() -> int:
 
 
 def _rounds(length: int, shards: int) -> tuple[int, int]:
-  """(rounds, chunk) of a row of `length` positions dealt to `shards`: chunks of at most
-  one tile, at least two rounds; rounds * shards * chunk >= length."""
-  rounds = max(2, -(-length // (shards * flash.TILE)))
-  return rounds, -(-length // (rounds * shards))
+  """(rounds, chunk) of a row of `length` positions dealt to `shards`: two rounds of
+  chunks of at most one tile when the row is shorter than 2 * shards tiles (the
+  zigzag), else chunks of one whole tile, so that every tile of a shard's queries and
+  of the gathered keys is one contiguous run of positions (the row is padded to whole
+  rounds: less than shards tiles); rounds * shards * chunk >= length."""
+  if length <= 2 * shards * flash.TILE:
+    return 2, -(-length // (2 * shards))
+  return -(-length // (shards * flash.TILE)), flash.TILE
 
 
 def _snake(rounds: int) -> np.ndarray:

@@ -17,15 +17,16 @@ noisy stream that keeps only the blocks holding a target needs nothing else.
 
 The [T, T] scores are computed in [tile, tile] tiles with an online softmax (fp32 max,
 sum and accumulator, inputs in their own dtype), each tile's mask computed inside the
-tile from the vectors. A tile that the mask leaves empty is skipped (`lax.cond`: no
+tile from the vectors. A tile that the mask leaves empty is skipped (`lax.switch`: no
 FLOPs), judged from per-tile summaries of the vectors (the ranges of segments, indices,
 positions and blocks of each stream), which hold no pair of positions; a tile that the
 mask allows whole (`_full`: one segment, keys all before the queries, say) is computed
-with no mask at all. Its backward is
-its own (`jax.custom_vjp`): the forward saves the output and each query's log-sum-exp,
-and the backward recomputes each tile's probabilities from them in one pass over the
-query tiles of every key tile, as FlashAttention-2 does: five tile matmuls (the scores,
-dP, dV, dK, and dQ added into a buffer of the whole dQ), against two for the forward. Query and key tiles are loops (`lax.map`, `fori_loop`), so the program is the
+with no mask at all. Its backward is its own (`jax.custom_vjp`): the forward saves the
+output and each query's log-sum-exp, and the backward recomputes each tile's
+probabilities from them in one pass over the query tiles of every key tile, as
+FlashAttention-2 does: five tile matmuls (the scores, dP, dV, dK, and dQ added into a
+buffer of the whole dQ), against two for the forward. Query and key tiles are loops
+(`lax.map`, `lax.scan`, `fori_loop`), so the program is the
 same size whatever T is. Grouped-query attention multiplies each kv head against its
 group of query heads; K and V are never repeated. A query that may see no key gets
 zeros.
@@ -274,17 +275,21 @@ def _backward(tile: int, residuals, d_out: Array):
     dP, dV, dK, dQ)."""
     def query_tile(i, carry):
       def update(carry, masked):
-        dq, dk, dv = carry
+        dq_i, dk, dv = carry
         p, ds = probs(i, j, masked)
         dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(do.dtype), do[i],
                              preferred_element_type=jnp.float32)
         dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(qt.dtype), qt[i],
                              preferred_element_type=jnp.float32)
-        dq = dq.at[i].add(jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(kt.dtype), kt[j],
-                                     preferred_element_type=jnp.float32))
-        return dq, dk, dv
-      return jax.lax.switch(kind(i, j), [lambda c: c, lambda c: update(c, True),
-                                         lambda c: update(c, False)], carry)
+        dq_i = dq_i + jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(kt.dtype), kt[j],
+                                 preferred_element_type=jnp.float32)
+        return dq_i, dk, dv
+      # Only tile i's dQ goes through the branches: a whole-dQ operand would be copied
+      # into each of them (XLA's copy insertion), every tile pair.
+      dq, dk, dv = carry
+      dq_i, dk, dv = jax.lax.switch(kind(i, j), [lambda c: c, lambda c: update(c, True),
+                                                 lambda c: update(c, False)], (dq[i], dk, dv))
+      return dq.at[i].set(dq_i), dk, dv
     zeros = jnp.zeros((b, kvh, tile, d), jnp.float32)
     dq, dk, dv = jax.lax.fori_loop(0, nq, query_tile, (dq, zeros, zeros))
     return dq, (dk, dv)

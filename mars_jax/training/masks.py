@@ -133,7 +133,7 @@ def two_stream_spans(length: int, stream_length: int, block_size: int, chunk: in
 
     queries         keys: clean [0, L)            noisy [L, L + n)
     clean [q0, q1)        [0, q1)                 -
-    noisy [q0, q1)        [0, q1 - n)  (<= L)     [q0 - B + 1, q1 + B - 1)
+    noisy [q0, q1)        [0, q1 - n)  (in [0, L])  [q0 - B + 1, q1 + B - 1)
 
   The noisy bound holds for `objective.target_stream`'s layout (packed to the end):
   stream slot i holds a row position of at most i + L - n, and a noisy token sees
@@ -143,7 +143,7 @@ def two_stream_spans(length: int, stream_length: int, block_size: int, chunk: in
   end = length + stream_length
   for q0 in range(length, end, chunk):
     q1 = min(q0 + chunk, end)
-    clean = min(length, q1 - stream_length)
+    clean = max(0, min(length, q1 - stream_length))
     k0, k1 = max(length, q0 - block_size + 1), min(end, q1 + block_size - 1)
     ranges = ((0, k1),) if k0 == clean else ((0, clean), (k0, k1))
     spans.append((q0, q1, ranges))

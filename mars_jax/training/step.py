@@ -121,9 +121,10 @@ def loss_and_grads(model_config: qwen2.Qwen2Config, objective: objective_lib.Obj
   denominator, so any `micro_batches` gives the gradient of the full batch.
   Gradients are taken of the trainable params alone (`lora.partition`: the adapters
   and the mask row under LoRA, every param without). `dropout_rng`: the adapters'
-  dropout, one key for every micro-batch (each row's masks are drawn from it and the
-  row's tokens, so a row gets the same masks in whichever micro-batch, on whichever
-  process, it lands); None: no dropout.
+  dropout, one key for every micro-batch (each token's masks are drawn from it, the
+  row's tokens and the token's place in its row, `layers.dropout_ids`, so a token gets
+  the same masks in whichever micro-batch, on whichever process or context shard, it
+  lands); None: no dropout.
   -> (grads: like the trainable params, sums: see `objective.objective_sums`).
   """
   trainable, frozen = lora.partition(params)

@@ -310,7 +310,9 @@ def test_generate_and_evaluate_load_the_run_as_its_merged_export(lora_run):
 def test_serve_answers_from_the_run_as_generate_does_from_the_export(lora_run):
   from test_http_server import NAME, Live
   p = lora_run
-  server = Live(p["run"], p["tmp"])
+  # One window: the request decodes at W = 1, and the default ("auto") would compile
+  # every window first (about 4 more minutes; test_http_server starts the defaults).
+  server = Live(p["run"], p["tmp"], "--window", "1")
   try:
     r = server.client().chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "What is 3 + 4?"}], max_tokens=12,

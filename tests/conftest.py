@@ -63,6 +63,17 @@ def pytest_configure(config):
     os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Each test file's compiled programs are let go when it ends (`jax.clear_caches`).
+  Every XLA:CPU executable holds memory mappings of its code, and jit's caches keep
+  every executable alive: a worker that ran a few files held over 18,000 mappings, and
+  past Linux's default limit (vm.max_map_count, 65,530) XLA's compiler died (segfaults
+  and aborts in `backend_compile_and_load`, seen in -m e2e and the default run)."""
+  yield
+  jax.clear_caches()
+
+
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
   """tests/test_ragged_engine.py first, so that pytest-xdist gives it a fresh worker:
   in `-m e2e`, run after other files in the same worker process, its test of arrivals

@@ -8,10 +8,11 @@ the pass is dealt out before the first layer (`split`) and put back in order aft
 last (`merge`). It is cut into chunks of one attention tile (`flash.TILE`; the row
 padded to whole rounds), dealt to the c shards in rounds, every other round in reverse
 ("snake" order: round 0 gives chunk s to shard s, round 1 chunk 2c - 1 - s, ...; on a
-row shorter than 2c tiles, two rounds of T / 2c: MaxText's zigzag). Each shard then holds early and late positions of both
-streams, so causal attention costs every shard the same (a contiguous split's last
-shard would score c times the keys of its first), and a chunk is a whole tile, so the
-blockwise attention's tile skipping sees contiguous positions: on packed rows of short
+row shorter than 2c tiles, two rounds of T / 2c: MaxText's zigzag). Each shard then
+holds early and late positions of both streams, so causal attention costs every shard
+the same (a contiguous split's last shard would score c times the keys of its first),
+and a chunk is a whole tile, so the blockwise attention's tile skipping sees contiguous
+positions: on packed rows of short
 segments a shard computes the tiles one device would (dealing single positions round
 robin made each tile span c times the positions, and 3 to 4 times the tiles ran).
 Everything but attention is per position, and runs on each shard's positions as they

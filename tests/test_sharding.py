@@ -7,6 +7,7 @@ process first touches its CPU backend, which the rest of the test session does.
 The (data=2, tensor=2) comparison of loss and gradients runs there on 4 of them.
 """
 
+import functools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -37,6 +39,12 @@ LAYOUTS = [  # (data, fsdp, tensor, micro_batches, objective kind)
 CONTEXT_CASES = [("mars", 100, 63, dict(data=1, fsdp=2, context=2, tensor=2)),
                  ("mars", 101, 62, dict(data=1, context=3, tensor=2)),
                  ("ar_sft", 101, 63, dict(data=2, context=4))]
+# The K/V ring alone (row length, stream length, mesh, query heads, rows; 2 kv heads):
+# odd c beside tensor, query heads split where the kv heads cannot be (tensor 4), and a
+# row long enough to be dealt in whole tiles over 8 shards.
+RING_CASES = [(101, 62, dict(data=1, context=3, tensor=2), 4, 2),
+              (61, 30, dict(data=1, context=2, tensor=4), 4, 2),
+              (1200, 500, dict(data=1, context=8), 4, 1)]
 
 
 def tiny_config():
@@ -181,6 +189,46 @@ def lora_dropout_context_vs_single_device():
               dropout_moved=abs(float(ref_loss) - float(other)))
 
 
+def ring_attention_vs_dense():
+  """Child process body: `context.attention` (the K/V ring) over MARS passes dealt out
+  on context meshes vs the dense attention on one device: loss and gradient differences
+  of q, k, v, and whether its jaxpr passes K/V by `ppermute` and gathers nothing."""
+  from jax.sharding import NamedSharding
+  from test_flash import two_stream_mask
+  from mars_jax.models import attention, context, flash
+  out = []
+  for length, stream, layout, heads, rows in RING_CASES:
+    mask = two_stream_mask(random_rows(rows, length, seed=5), 4, "causal",
+                           stream_length=stream)[0]
+    dense = flash.dense_mask(mask)
+    t, rng = dense.shape[1], np.random.default_rng(1)
+    q, k, v, w = (jnp.asarray(rng.normal(size=(rows, t, n, 8)), jnp.float32)
+                  for n in (heads, 2, 2, heads))
+    sees = jnp.any(dense, axis=-1)[:, :, None, None]
+    devices = jax.devices()[:math.prod(layout.values())]
+    mesh = sharding.make_mesh(sharding.MeshConfig(**layout), devices)
+
+    def ring(q, k, v):
+      with sharding.activation_sharding(mesh):
+        deal = lambda a: context.split(a, context.size())
+        dealt = context.attention(deal(q), deal(k), deal(v), mask.map(deal))
+        return context.merge(dealt, context.size(), t)
+
+    def loss(fn, q, k, v):
+      return jnp.sum(jnp.where(sees, fn(q, k, v), 0.0) * w)
+    dense_fn = lambda q, k, v: attention.attention(q, k, v, dense, "xla")
+    want, g_want = jax.value_and_grad(functools.partial(loss, dense_fn), (0, 1, 2))(q, k, v)
+    fn = jax.value_and_grad(functools.partial(loss, ring), (0, 1, 2))
+    whole = NamedSharding(mesh, P())
+    got, g_got = jax.jit(fn, in_shardings=(whole,) * 3)(q, k, v)
+    jaxpr = str(jax.make_jaxpr(fn)(q, k, v))
+    out.append(dict(length=length, layout=layout, heads=heads,
+                    loss_diff=abs(float(got) - float(want)) / abs(float(want)),
+                    grad_diff=max_tree_diff(g_got, g_want),
+                    ppermute="ppermute" in jaxpr, all_gather="all_gather" in jaxpr))
+  return out
+
+
 def sharded_vs_single_device():
   """Child process body (8 CPU devices): max differences of every layout vs 1 device."""
   config, tx, batch = tiny_config(), make_tx(), packed_batch()
@@ -214,6 +262,7 @@ def sharded_vs_single_device():
   out["tensor_parallel"] = tensor_parallel_vs_single_device()
   out["context_parallel"] = context_parallel_vs_single_device()
   out["lora_dropout"] = lora_dropout_context_vs_single_device()
+  out["ring"] = ring_attention_vs_dense()
   return out
 
 
@@ -454,6 +503,18 @@ def test_context_parallel_loss_and_gradients_equal_single_device(eight_devices):
   for r in results:
     assert r["sharded_attention"] and r["grad_max"] > 1e-3, r
     assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
+
+
+def test_the_kv_ring_equals_the_dense_attention_and_gathers_nothing(eight_devices):
+  """`context.attention` on (context 3, tensor 2), (context 2, tensor 4: 2 kv heads for
+  4 query heads, each shard taking the one its queries read) and (context 8, a row
+  dealt in whole tiles): outputs and gradients are the dense attention's on one device,
+  and K/V move by `ppermute` only (no all-gather, so no device holds the row's K/V)."""
+  results = eight_devices["ring"]
+  assert len(results) == len(RING_CASES)
+  for r in results:
+    assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
+    assert r["ppermute"] and not r["all_gather"], r
 
 
 def test_lora_dropout_under_context_parallelism_draws_one_devices_masks(eight_devices):

@@ -24,12 +24,14 @@ and the keys' mask vectors all-gathered over the context axes, through
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from mars_jax.models import flash
 from mars_jax.models.layers import HEADS_AXES, KV_HEADS_AXES, fit_spec
@@ -110,27 +112,112 @@ def merge(a: Array, shards: int, length: int) -> Array:
   return a.reshape(b, t, *a.shape[4:])[:, :length]
 
 
+def _shift(x, names: tuple[str, ...], shards: int):
+  """Every array of the tree x sent to the next shard of the ring over `names`."""
+  perm = [(s, (s + 1) % shards) for s in range(shards)]
+  return jax.tree.map(lambda a: jax.lax.ppermute(a, names, perm), x)
+
+
+def _ring_forward(q, k, v, q_mask, k_mask, names, shards, tile):
+  """-> (out [b, tq, h, d], residuals): the queries against each shard's block of keys in
+  turn, the block passed on while the tiles run."""
+  def step(carry, _):
+    block, part = carry
+    nxt = _shift(block, names, shards)   # independent of this step's tiles: overlapped
+    part = flash.merge_partials(part, flash.forward_tiles(q, *block[:2], q_mask, block[2],
+                                                          tile))
+    return (nxt, part), None
+  nq, (b, tq, h, d), kvh = q.shape[1] // tile, q.shape, k.shape[2]
+  shape = (nq, b, kvh, h // kvh, tile)
+  init = ((k, v, k_mask), (jnp.zeros(shape + (d,), jnp.float32), jnp.full(shape, jnp.inf)))
+  (_, (out, lse)), _ = jax.lax.scan(step, init, length=shards)
+  out = checkpoint_name(flash.untile(out, v.dtype), flash.RESIDUALS[0])
+  return out, (q, k, v, q_mask, k_mask, out, checkpoint_name(lse, flash.RESIDUALS[1]))
+
+
+def _ring_backward(names, shards, tile, residuals, d_out):
+  """Each key block's dK and dV travel with it one step behind (sent while the next
+  block's tiles run), added to by every shard, and end at their owner; dQ stays."""
+  q, k, v, q_mask, k_mask, out, lse = residuals
+
+  def step(carry, _):
+    block, dkv, dq = carry
+    nxt, dkv = _shift((block, dkv), names, shards)   # dkv: this block's sum so far
+    dq_s, dk, dv = flash.backward_tiles(q, *block[:2], q_mask, block[2], out, lse, d_out,
+                                        tile)
+    return (nxt, (dkv[0] + dk, dkv[1] + dv), dq + dq_s), None
+  zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
+  init = ((k, v, k_mask), (zeros(k), zeros(v)), zeros(q))
+  (_, dkv, dq), _ = jax.lax.scan(step, init, length=shards)
+  dk, dv = _shift(dkv, names, shards)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, q_mask, k_mask, names, shards, tile):
+  return _ring_forward(q, k, v, q_mask, k_mask, names, shards, tile)[0]
+
+
+_ring.defvjp(_ring_forward, _ring_backward)
+
+
+def ring_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask,
+                   names: tuple[str, ...]) -> Array:
+  """Inside a `shard_map` over the mesh axes `names` (this shard's part of the pass):
+  its queries against every shard's keys, each shard's K, V and key mask passed round
+  the ring (`ppermute`), one block a step, overlapped with the step's tiles, forward and
+  backward (whose dK and dV ride the ring back to their owner). A device holds its own
+  T / c of K and V as residuals, and two blocks in flight.
+
+  q: [b, t, heads, d]; k, v: [b, t, kv_heads, d]; mask: [b, t] fields -> [b, t, heads, d].
+  """
+  shards = math.prod(jax.lax.axis_size(n) for n in names)
+  t = q.shape[1]
+  tile = flash.tile_size(t, t)
+  whole = -(-t // tile) * tile
+  fill = lambda a: flash.pad(a, whole)
+  out = _ring(fill(q), fill(k), fill(v), mask.map(fill), mask.map(fill), names, shards, tile)
+  return out[:, :t]
+
+
+def _local_kv_heads(k: Array, v: Array, heads: int, names: tuple[str, ...]):
+  """Inside a `shard_map` whose query heads are split over the mesh axes `names` and
+  whose kv heads are whole: the kv heads this shard's `heads` query heads read, in
+  order (no kv head repeated, unless the shard's heads straddle groups unevenly: then one
+  per query head)."""
+  kvh = k.shape[2]
+  group = jax.lax.axis_size(names) * heads // kvh if names else heads // kvh
+  first = jax.lax.axis_index(names) * heads
+  if heads % group == 0 or group % heads == 0:
+    count = max(heads // group, 1)
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, first // group, count, axis=2)
+  else:
+    take = lambda a: jnp.take(a, (first + jnp.arange(heads)) // group, axis=2)
+  return take(k), take(v)
+
+
 def attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
   """Grouped-query attention of a pass whose positions are split over the context axes
-  (each shard's queries against the keys of all).
+  (each shard's queries against the keys of all, by `ring_attention`).
 
   q: [b, T, heads, d]; k, v: [b, T, kv_heads, d]; mask: the pass's TokenMask ([b, T]
   fields), every array in the same (dealt-out) order -> [b, T, heads, d]. Batch, heads and
-  positions are split as their logical axes say; kv heads that the tensor axes do not
-  split like the query heads are repeated to one per query head first.
+  positions are split as their logical axes say; where the tensor axes split the query
+  heads but cannot split the kv heads alike, each shard takes the kv heads its query
+  heads read (`_local_kv_heads`) before any moves.
   """
   rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
   spec = lambda x, names: fit_spec(nn.logical_to_mesh_axes(names, rules), x.shape, mesh)
   q_spec, kv_spec = spec(q, HEADS_AXES), spec(k, KV_HEADS_AXES)
-  if kv_spec[2] != q_spec[2]:
-    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
-    kv_spec = q_spec
+  head_axes = q_spec[2] if kv_spec[2] != q_spec[2] else None
+  head_axes = (head_axes,) if isinstance(head_axes, str) else tuple(head_axes or ())
   token_spec = spec(mask.segment, TOKEN_AXES)
-  gathered = axes()
+  names = axes()
 
   def local(q, k, v, mask):
-    gather = lambda a: jax.lax.all_gather(a, gathered, axis=1, tiled=True)
-    return flash.flash_attention(q, gather(k), gather(v), mask, key_mask=mask.map(gather))
+    if head_axes:
+      k, v = _local_kv_heads(k, v, q.shape[2], head_axes)
+    return ring_attention(q, k, v, mask, names)
 
   mask_spec = mask.map(lambda _: token_spec)
   return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, mask_spec),

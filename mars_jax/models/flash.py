@@ -200,8 +200,15 @@ def _layout(q: Array, k: Array, v: Array, tile: int):
   return q, kv(k), kv(v)
 
 
-def _forward(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
-  """-> (out [b, tq, h, d] in v's dtype, residuals for the backward)."""
+def forward_tiles(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: TokenMask,
+                  tile: int) -> tuple[Array, Array]:
+  """The blockwise forward over whole tiles (tq, tk multiples of `tile`).
+
+  q: [b, tq, h, d]; k, v: [b, tk, kv_heads, d]; masks [b, tq] / [b, tk] fields ->
+  (out float32 [nq, b, kv_heads, group, tile, d], each query's log-sum-exp float32
+  [nq, b, kv_heads, group, tile], +inf where a query sees no key: its probabilities
+  exp(s - lse) are then 0). `mars_jax.models.context`'s ring adds up such partial
+  results over blocks of keys (`merge_partials`)."""
   b, tq, h, d = q.shape
   # The masks' vectors tied to q: what the tiles compute from them then depends on q, so
   # a remat around the layer recomputes it in the backward instead of stacking every
@@ -237,18 +244,48 @@ def _forward(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
             jnp.zeros((b, kvh, g, tile, d), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, nk, key_tile, init)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
-    return out.astype(v.dtype), jnp.where(l > 0, m + jnp.log(l), jnp.inf)
+    return out, jnp.where(l > 0, m + jnp.log(l), jnp.inf)
 
   # Under a layer's remat the policy reads this forward: nothing of a tile (its scores,
   # a `dots` policy's pick) is kept, and the residuals are named (`RESIDUALS`).
   query_tile = jax.checkpoint(query_tile, policy=jax.checkpoint_policies.nothing_saveable)
-  out, lse = jax.lax.map(query_tile, jnp.arange(qt.shape[0]))   # [nq, b, kvh, g, tile, (d)]
-  out = checkpoint_name(out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d), RESIDUALS[0])
+  return jax.lax.map(query_tile, jnp.arange(qt.shape[0]))
+
+
+def merge_partials(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
+  """Two `forward_tiles` results of the same queries over disjoint sets of keys -> the
+  result over both (out weighted by each part's share of the softmax's sum)."""
+  (out_a, lse_a), (out_b, lse_b) = a, b
+  none = lambda lse: jnp.where(jnp.isposinf(lse), -jnp.inf, lse)   # empty: weight 0
+  lse_a, lse_b = none(lse_a), none(lse_b)
+  lse = jnp.logaddexp(lse_a, lse_b)
+  anchor = jnp.where(jnp.isneginf(lse), 0.0, lse)
+  weight = lambda part: jnp.exp(part - anchor)[..., None]
+  return out_a * weight(lse_a) + out_b * weight(lse_b), jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+
+
+def untile(out: Array, dtype) -> Array:
+  """`forward_tiles`' out [nq, b, kv_heads, group, tile, d] -> [b, nq * tile, heads, d]
+  in `dtype`."""
+  nq, b, kvh, g, tile, d = out.shape
+  return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * tile, kvh * g, d).astype(dtype)
+
+
+def _forward(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
+  """-> (out [b, tq, h, d] in v's dtype, residuals for the backward)."""
+  out, lse = forward_tiles(q, k, v, q_mask, k_mask, tile)
+  out = checkpoint_name(untile(out, v.dtype), RESIDUALS[0])
   return out, (q, k, v, q_mask, k_mask, out, checkpoint_name(lse, RESIDUALS[1]))
 
 
-def _backward(tile: int, residuals, d_out: Array):
-  q, k, v, q_mask, k_mask, out, lse = residuals
+def backward_tiles(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: TokenMask,
+                   out: Array, lse: Array, d_out: Array, tile: int
+                   ) -> tuple[Array, Array, Array]:
+  """The blockwise backward over whole tiles: the gradients through these keys, given
+  the output `out` [b, tq, h, d] and log-sum-exp `lse` ([nq, b, kv_heads, group, tile])
+  of the attention over all keys, of which k, v ([b, tk, kv_heads, d]) may be a part
+  (the softmax's gradient splits over blocks of keys once lse and out are the whole's)
+  -> (dq float32 [b, tq, h, d], dk, dv float32 [b, tk, kv_heads, d])."""
   b, tq, h, d = q.shape
   qt, kt, vt = _layout(q, k, v, tile)
   nq, nk, kvh, g = qt.shape[0], kt.shape[0], kt.shape[2], qt.shape[3]
@@ -296,9 +333,14 @@ def _backward(tile: int, residuals, d_out: Array):
 
   dq, (dk, dv) = jax.lax.scan(key_tile, jnp.zeros((nq, b, kvh, g, tile, d), jnp.float32),
                               jnp.arange(nk))          # dq as qt; dk, dv [nk, b, kvh, tile, d]
-  dq = (dq * scale).transpose(1, 0, 4, 2, 3, 5).reshape(b, tq, h, d).astype(q.dtype)
-  kv_back = lambda a, like: a.transpose(1, 0, 3, 2, 4).reshape(like.shape).astype(like.dtype)
-  return dq, kv_back(dk, k), kv_back(dv, v), None, None
+  kv_back = lambda a: a.transpose(1, 0, 3, 2, 4).reshape(k.shape)
+  return untile(dq * scale, jnp.float32), kv_back(dk), kv_back(dv)
+
+
+def _backward(tile: int, residuals, d_out: Array):
+  q, k, v = residuals[:3]
+  dq, dk, dv = backward_tiles(*residuals, d_out, tile)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -314,7 +356,13 @@ def _attention_fwd(q, k, v, q_mask, k_mask, tile):
 _attention.defvjp(_attention_fwd, _backward)
 
 
-def _pad(a: Array, length: int, value=0) -> Array:
+def tile_size(tq: int, tk: int, tile: int = TILE) -> int:
+  """The tile of a pass of tq queries and tk keys: `tile`, or the longer of the two
+  rounded up to 8 when that is shorter."""
+  return min(tile, -(-max(tq, tk) // 8) * 8)
+
+
+def pad(a: Array, length: int, value=0) -> Array:
   """a: [b, t, ...] -> [b, length, ...], `value` after t."""
   return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2),
                  constant_values=value)
@@ -332,13 +380,13 @@ def flash_attention(q: Array, k: Array, v: Array, mask: TokenMask, *,
   """
   key_mask = mask if key_mask is None else key_mask
   tq, tk = q.shape[1], k.shape[1]
-  tile = min(tile, -(-max(tq, tk) // 8) * 8)
+  tile = tile_size(tq, tk, tile)
   whole = lambda t: -(-t // tile) * tile
   if whole(tq) != tq:
-    q, mask = _pad(q, whole(tq)), mask.map(lambda a: _pad(a, whole(tq)))
+    q, mask = pad(q, whole(tq)), mask.map(lambda a: pad(a, whole(tq)))
   if whole(tk) != tk:
-    k, v = _pad(k, whole(tk)), _pad(v, whole(tk))
-    key_mask = key_mask.map(lambda a: _pad(a, whole(tk)))
+    k, v = pad(k, whole(tk)), pad(v, whole(tk))
+    key_mask = key_mask.map(lambda a: pad(a, whole(tk)))
   return _attention(q, k, v, mask, key_mask, tile)[:, :tq]
 
 
@@ -348,7 +396,7 @@ def tile_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
   and keys (every tile pair of every row, less those it skips): int32[]. Its attention
   FLOPs are 4 * tile^2 * head_dim * heads per tile pair forward, twice that backward."""
   key_mask = mask if key_mask is None else key_mask
-  whole = lambda m: m.map(lambda a: _pad(a, -(-a.shape[1] // tile) * tile))
+  whole = lambda m: m.map(lambda a: pad(a, -(-a.shape[1] // tile) * tile))
   q_sum, k_sum = _summary(whole(mask), tile), _summary(whole(key_mask), tile)
   nq, nk = q_sum.clean_seg[0].shape[1], k_sum.clean_seg[0].shape[1]
   pair = lambda i, j: _nonempty(q_sum, i, k_sum, j, mask.causal_blocks)
@@ -363,6 +411,6 @@ def allowed_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
   allows more than 2^31)."""
   key_mask = mask if key_mask is None else key_mask
   length = -(-mask.segment.shape[1] // tile) * tile
-  padded = mask.map(lambda a: _pad(a, length))
+  padded = mask.map(lambda a: pad(a, length))
   count = lambda i: jnp.sum(allowed(_tile_mask(padded, i, tile), key_mask), dtype=jnp.int32)
   return int(np.sum(np.asarray(jax.lax.map(count, jnp.arange(length // tile))), dtype=np.int64))

@@ -142,6 +142,50 @@ def test_ar_sft_compiles_tensor_parallel(topology, mesh):
   assert got.args == counted if topology.startswith("h100") else got.args >= counted
 
 
+def _scheduled(hlo: str) -> dict[str, list[str]]:
+  """A compiled module's text -> each computation's collective-permute starts and dones
+  and while loops, in schedule order."""
+  order, current = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      current = order.setdefault(line.split(" ")[0], [])
+    elif current is not None:
+      for op in ("collective-permute-start(", "collective-permute-done(", " while("):
+        if op in line:
+          current.append(op.strip(" ("))
+  return order
+
+
+def test_the_kv_ring_sends_overlap_the_tiles_on_gpu():
+  """The ring's sends (`context.ring_attention`) compiled by the GPU compiler for 4 of
+  an H100 node's chips (context 4, 4096 positions): every step's collective-permute
+  starts before the step's tile loop and is waited for after it, forward and backward,
+  and nothing is all-gathered."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from mars_jax.models import context, flash
+  needs("h100-8")
+  devices = hardware.compile_devices(hardware.parse_topology("h100-8"))[:4]
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, context=4), devices)
+  mask = flash.causal(jnp.ones((1, 4096), jnp.int32))
+
+  def loss(q, k, v):
+    with sharding.activation_sharding(mesh):
+      return jnp.sum(context.attention(q, k, v, mask).astype(jnp.float32))
+  where = NamedSharding(mesh, P(None, "context"))
+  args = [jax.ShapeDtypeStruct((1, 4096, n, 64), jnp.bfloat16, sharding=where)
+          for n in (8, 2, 2)]
+  hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile().as_text()
+  assert "all-gather" not in hlo
+  steps = [ops for name, ops in _scheduled(hlo).items() if name != "ENTRY"   # its send:
+           and "collective-permute-start" in ops and "while" in ops]   # dK/dV home
+  assert len(steps) == 2, _scheduled(hlo)   # the forward ring's step and the backward's
+  for ops in steps:
+    loop = ops.index("while")
+    assert ops.index("collective-permute-start") < loop, ops
+    assert all(i > loop for i, op in enumerate(ops) if op == "collective-permute-done"), ops
+
+
 @pytest.mark.e2e  # whole programs through the TPU/GPU compilers
 def test_a_step_that_does_not_fit_gets_the_micro_batches_that_do():
   """On a chip one byte smaller than the step needs at 2 micro-batches, the search

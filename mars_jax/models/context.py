@@ -16,10 +16,12 @@ positions: on packed rows of short
 segments a shard computes the tiles one device would (dealing single positions round
 robin made each tile span c times the positions, and 3 to 4 times the tiles ran).
 Everything but attention is per position, and runs on each shard's positions as they
-are; attention (`attention`) runs each shard's queries against every shard's keys, K, V
-and the keys' mask vectors all-gathered over the context axes, through
-`flash.flash_attention` (its backward reduce-scatters dK and dV). Nothing of shape
-[T, T] exists; per device a layer holds its T / c queries and the row's K and V.
+are; attention (`attention`) runs each shard's queries against every shard's keys: K, V
+and the keys' mask vectors pass round a ring of the shards (`ring_attention`: c steps,
+each sending the block on while `flash.forward_tiles` runs against it; the backward
+sends dK and dV after their block, so they end at its owner). Nothing of shape [T, T]
+exists; per device a layer holds its T / c queries, its T / c of K and V, and the two
+blocks in flight.
 """
 
 from __future__ import annotations
@@ -113,9 +115,9 @@ def merge(a: Array, shards: int, length: int) -> Array:
 
 
 def _shift(x, names: tuple[str, ...], shards: int):
-  """Every array of the tree x sent to the next shard of the ring over `names`."""
-  perm = [(s, (s + 1) % shards) for s in range(shards)]
-  return jax.tree.map(lambda a: jax.lax.ppermute(a, names, perm), x)
+  """Every array of the tree x sent to the next shard of the ring over `names` (one
+  collective)."""
+  return jax.lax.ppermute(x, names, [(s, (s + 1) % shards) for s in range(shards)])
 
 
 def _ring_forward(q, k, v, q_mask, k_mask, names, shards, tile):

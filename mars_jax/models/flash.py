@@ -17,11 +17,12 @@ noisy stream that keeps only the blocks holding a target needs nothing else.
 
 The [T, T] scores are computed in [tile, tile] tiles with an online softmax (fp32 max,
 sum and accumulator, inputs in their own dtype), each tile's mask computed inside the
-tile from the vectors. A tile that the mask leaves empty is skipped (`lax.switch`: no
-FLOPs), judged from per-tile summaries of the vectors (the ranges of segments, indices,
+tile from the vectors. Each batch row runs on its own (`lax.map`), and a tile that the
+row's mask leaves empty is skipped (`lax.switch`: no FLOPs), judged from per-tile summaries of the vectors (the ranges of segments, indices,
 positions and blocks of each stream), which hold no pair of positions; a tile that the
 mask allows whole (`_full`: one segment, keys all before the queries, say) is computed
-with no mask at all. Its backward is its own (`jax.custom_vjp`): the forward saves the
+with no mask at all. Every head shares the row's mask, so a tile is skipped for all of
+its heads or none. Its backward is its own (`jax.custom_vjp`): the forward saves the
 output and each query's log-sum-exp, and the backward recomputes each tile's
 probabilities from them in one pass over the query tiles of every key tile, as
 FlashAttention-2 does: five tile matmuls (the scores, dP, dV, dK, and dQ added into a
@@ -135,7 +136,7 @@ def _summary(mask: TokenMask, tile: int) -> _Summary:
 
 
 def _nonempty(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
-  """Whether query tile i and key tile j may hold an allowed pair in some row: bool[]."""
+  """Whether query tile i and key tile j may hold an allowed pair, per row: bool[b]."""
   at = lambda s, n: (s[0][:, n], s[1][:, n])
   overlap = lambda a, c: (a[0] <= c[1]) & (c[0] <= a[1])
   cq, ck = at(q.clean_seg, i), at(k.clean_seg, j)
@@ -145,7 +146,7 @@ def _nonempty(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool)
   if causal_blocks:
     noisy &= at(k.noisy_pos, j)[0] <= at(q.noisy_pos, i)[1]
   cross = overlap(nq, ck) & (at(k.clean_block, j)[0] < at(q.noisy_block, i)[1])
-  return jnp.any(clean | noisy | cross)
+  return clean | noisy | cross
 
 
 def _full(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
@@ -168,9 +169,10 @@ def _full(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> 
 
 
 def _kind(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
-  """int32[]: 0 skip tile (i, j) (`_nonempty`), 1 compute it masked, 2 compute it with
-  no mask (`_full`)."""
-  return jnp.where(_nonempty(q, i, k, j, causal_blocks),
+  """int32[]: 0 skip tile (i, j) (`_nonempty` in no row), 1 compute it masked, 2 compute
+  it with no mask (`_full`). The tiles run one row at a time (`forward_tiles`), so
+  "no row" is that row's own."""
+  return jnp.where(jnp.any(_nonempty(q, i, k, j, causal_blocks)),
                    jnp.where(_full(q, i, k, j, causal_blocks), 2, 1), 0)
 
 
@@ -200,15 +202,34 @@ def _layout(q: Array, k: Array, v: Array, tile: int):
   return q, kv(k), kv(v)
 
 
+def _rows(fn, *args):
+  """fn over the batch rows of args (arrays and TokenMasks, rows first) one row at a
+  time (`lax.map`: each row's tiles are skipped by its own mask; rows vmapped would turn
+  the tiles' `lax.switch` into a select that runs every branch). fn gets arrays of one
+  row ([1, ...]); its results are stacked on a new first axis."""
+  one = lambda a: a[:, None]
+  return jax.lax.map(lambda row: fn(*row), tuple(
+      x.map(one) if isinstance(x, TokenMask) else one(x) for x in args))
+
+
 def forward_tiles(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: TokenMask,
                   tile: int) -> tuple[Array, Array]:
-  """The blockwise forward over whole tiles (tq, tk multiples of `tile`).
+  """The blockwise forward over whole tiles (tq, tk multiples of `tile`), each batch row
+  on its own, so a tile pair runs only where that row's mask needs it.
 
   q: [b, tq, h, d]; k, v: [b, tk, kv_heads, d]; masks [b, tq] / [b, tk] fields ->
   (out float32 [nq, b, kv_heads, group, tile, d], each query's log-sum-exp float32
   [nq, b, kv_heads, group, tile], +inf where a query sees no key: its probabilities
   exp(s - lse) are then 0). `mars_jax.models.context`'s ring adds up such partial
   results over blocks of keys (`merge_partials`)."""
+  if q.shape[0] == 1:
+    return _forward_row(q, k, v, q_mask, k_mask, tile)
+  out, lse = _rows(lambda *a: _forward_row(*a, tile), q, k, v, q_mask, k_mask)
+  return out[:, :, 0].swapaxes(0, 1), lse[:, :, 0].swapaxes(0, 1)   # [b, nq, ...] -> [nq, b, ...]
+
+
+def _forward_row(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
+  """`forward_tiles` of one row (b = 1), or of rows that skip tiles together."""
   b, tq, h, d = q.shape
   # The masks' vectors tied to q: what the tiles compute from them then depends on q, so
   # a remat around the layer recomputes it in the backward instead of stacking every
@@ -285,7 +306,19 @@ def backward_tiles(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: Toke
   the output `out` [b, tq, h, d] and log-sum-exp `lse` ([nq, b, kv_heads, group, tile])
   of the attention over all keys, of which k, v ([b, tk, kv_heads, d]) may be a part
   (the softmax's gradient splits over blocks of keys once lse and out are the whole's)
-  -> (dq float32 [b, tq, h, d], dk, dv float32 [b, tk, kv_heads, d])."""
+  -> (dq float32 [b, tq, h, d], dk, dv float32 [b, tk, kv_heads, d]). Each batch row on
+  its own, as in `forward_tiles`."""
+  if q.shape[0] == 1:
+    return _backward_row(q, k, v, q_mask, k_mask, out, lse, d_out, tile)
+  row = lambda q, k, v, qm, km, out, lse, do: _backward_row(
+      q, k, v, qm, km, out, lse.swapaxes(0, 1), do, tile)   # lse [1, nq, ...] -> [nq, 1, ...]
+  grads = _rows(row, q, k, v, q_mask, k_mask, out, lse.swapaxes(0, 1), d_out)
+  return tuple(g[:, 0] for g in grads)
+
+
+def _backward_row(q, k, v, q_mask: TokenMask, k_mask: TokenMask, out, lse, d_out,
+                  tile: int):
+  """`backward_tiles` of one row (b = 1)."""
   b, tq, h, d = q.shape
   qt, kt, vt = _layout(q, k, v, tile)
   nq, nk, kvh, g = qt.shape[0], kt.shape[0], kt.shape[2], qt.shape[3]
@@ -401,7 +434,7 @@ def tile_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
   nq, nk = q_sum.clean_seg[0].shape[1], k_sum.clean_seg[0].shape[1]
   pair = lambda i, j: _nonempty(q_sum, i, k_sum, j, mask.causal_blocks)
   run = jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(jnp.arange(nq), jnp.arange(nk))
-  return jnp.sum(run, dtype=jnp.int32)
+  return jnp.sum(run, dtype=jnp.int32)   # [nq, nk, b]: each row's own skipping
 
 
 def allowed_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,

@@ -78,7 +78,7 @@ def _rounds(length: int, shards: int) -> tuple[int, int]:
   """(rounds, chunk) of a row of `length` positions dealt to `shards`: two rounds of
   chunks of at most one tile when the row is shorter than 2 * shards tiles (the
   zigzag), else chunks of one whole tile, so that every tile of a shard's queries and
-  of the gathered keys is one contiguous run of positions (the row is padded to whole
+  of each shard's keys is one contiguous run of positions (the row is padded to whole
   rounds: less than shards tiles); rounds * shards * chunk >= length."""
   if length <= 2 * shards * flash.TILE:
     return 2, -(-length // (2 * shards))

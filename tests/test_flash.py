@@ -113,9 +113,9 @@ def test_outputs_and_gradients_equal_the_dense_attention(heads, kv_heads, tile):
 
 
 def test_dealt_out_queries_against_every_key_equal_the_dense_attention():
-  """What one context shard computes: its queries (two chunks of the pass, as
-  `context.split` deals them) against every key in the same order, with the keys' own
-  mask; outputs and gradients are the dense attention's at those queries. `merge` is
+  """A context shard's queries (two chunks of the pass, as `context.split` deals them)
+  against every key in the same order, with the keys' own mask (the ring's steps, run
+  as one): outputs and gradients are the dense attention's at those queries. `merge` is
   `split`'s inverse at lengths no shard count divides, over one round and many."""
   shards = 4
   batch = random_rows(2, 64, seed=5)

@@ -40,11 +40,13 @@ CONTEXT_CASES = [("mars", 100, 63, dict(data=1, fsdp=2, context=2, tensor=2)),
                  ("mars", 101, 62, dict(data=1, context=3, tensor=2)),
                  ("ar_sft", 101, 63, dict(data=2, context=4))]
 # The K/V ring alone (row length, stream length, mesh, query heads, rows; 2 kv heads):
-# odd c beside tensor, query heads split where the kv heads cannot be (tensor 4), and a
-# row long enough to be dealt in whole tiles over 8 shards.
+# odd c beside tensor; query heads split where the kv heads cannot be, each shard's
+# heads inside one group (tensor 4) and straddling two (6 heads on tensor 3); and a
+# row long enough (T = 2200 > 2 * 8 tiles) to be dealt in whole tiles over 8 shards.
 RING_CASES = [(101, 62, dict(data=1, context=3, tensor=2), 4, 2),
               (61, 30, dict(data=1, context=2, tensor=4), 4, 2),
-              (1200, 500, dict(data=1, context=8), 4, 1)]
+              (61, 30, dict(data=1, context=2, tensor=3), 6, 2),
+              (1600, 600, dict(data=1, context=8), 4, 1)]
 
 
 def tiny_config():
@@ -223,7 +225,8 @@ def ring_attention_vs_dense():
     got, g_got = jax.jit(fn, in_shardings=(whole,) * 3)(q, k, v)
     jaxpr = str(jax.make_jaxpr(fn)(q, k, v))
     out.append(dict(length=length, layout=layout, heads=heads,
-                    loss_diff=abs(float(got) - float(want)) / abs(float(want)),
+                    loss_diff=abs(float(got) - float(want)) / max(1.0, abs(float(want))),
+                    loss=float(want),
                     grad_diff=max_tree_diff(g_got, g_want),
                     ppermute="ppermute" in jaxpr, all_gather="all_gather" in jaxpr))
   return out
@@ -507,9 +510,10 @@ def test_context_parallel_loss_and_gradients_equal_single_device(eight_devices):
 
 def test_the_kv_ring_equals_the_dense_attention_and_gathers_nothing(eight_devices):
   """`context.attention` on (context 3, tensor 2), (context 2, tensor 4: 2 kv heads for
-  4 query heads, each shard taking the one its queries read) and (context 8, a row
-  dealt in whole tiles): outputs and gradients are the dense attention's on one device,
-  and K/V move by `ppermute` only (no all-gather, so no device holds the row's K/V)."""
+  4 query heads, each shard taking the one its queries read), (context 2, tensor 3: 6
+  query heads, a shard's two straddling the groups) and (context 8, a row dealt in
+  whole tiles): outputs and gradients are the dense attention's on one device, and
+  K/V move by `ppermute` only (no all-gather, so no device holds the row's K/V)."""
   results = eight_devices["ring"]
   assert len(results) == len(RING_CASES)
   for r in results:

@@ -120,44 +120,62 @@ def _shift(x, names: tuple[str, ...], shards: int):
   return jax.lax.ppermute(x, names, [(s, (s + 1) % shards) for s in range(shards)])
 
 
-def _ring_forward(q, k, v, q_mask, k_mask, names, shards, tile):
-  """-> (out [b, tq, h, d], residuals): the queries against each shard's block of keys in
-  turn, the block passed on while the tiles run."""
+def _pack(mask: flash.TokenMask) -> Array:
+  """The mask's five [b, t] vectors as one int32[5, b, t] (one send, not five)."""
+  return jnp.stack([a.astype(jnp.int32) for a in mask.fields()])
+
+
+def _unpack(packed: Array, causal_blocks: bool) -> flash.TokenMask:
+  segment, noisy, position, block, index = packed
+  return flash.TokenMask(segment, noisy.astype(bool), position, block, index,
+                         causal_blocks=causal_blocks)
+
+
+def _ring_forward(q, k, v, mask, names, shards, tile):
+  """-> (out [b, t, h, d], residuals): the queries against each shard's block of keys
+  in turn (c - 1 steps that each send their block on while its tiles run, then the last
+  block's tiles), the partial results merged in float32."""
+  keys = lambda block: (*block[:2], mask, _unpack(block[2], mask.causal_blocks), tile)
+
   def step(carry, _):
     block, part = carry
     nxt = _shift(block, names, shards)   # independent of this step's tiles: overlapped
-    part = flash.merge_partials(part, flash.forward_tiles(q, *block[:2], q_mask, block[2],
-                                                          tile))
-    return (nxt, part), None
-  nq, (b, tq, h, d), kvh = q.shape[1] // tile, q.shape, k.shape[2]
-  shape = (nq, b, kvh, h // kvh, tile)
-  init = ((k, v, k_mask), (jnp.zeros(shape + (d,), jnp.float32), jnp.full(shape, jnp.inf)))
-  (_, (out, lse)), _ = jax.lax.scan(step, init, length=shards)
+    return (nxt, flash.merge_partials(part, flash.forward_tiles(q, *keys(block)))), None
+  b, _, h, d = q.shape
+  shape = (q.shape[1] // tile, b, k.shape[2], h // k.shape[2], tile)
+  empty = (jnp.zeros(shape + (d,), jnp.float32), jnp.full(shape, jnp.inf, jnp.float32))
+  (block, part), _ = jax.lax.scan(step, ((k, v, _pack(mask)), empty), length=shards - 1)
+  out, lse = flash.merge_partials(part, flash.forward_tiles(q, *keys(block)))
   out = checkpoint_name(flash.untile(out, v.dtype), flash.RESIDUALS[0])
-  return out, (q, k, v, q_mask, k_mask, out, checkpoint_name(lse, flash.RESIDUALS[1]))
+  return out, (q, k, v, mask, out, checkpoint_name(lse, flash.RESIDUALS[1]))
 
 
 def _ring_backward(names, shards, tile, residuals, d_out):
-  """Each key block's dK and dV travel with it one step behind (sent while the next
-  block's tiles run), added to by every shard, and end at their owner; dQ stays."""
-  q, k, v, q_mask, k_mask, out, lse = residuals
+  """The ring again: each step computes the held block's dK and dV, and adds them to
+  that block's running sum, which follows its block one step behind (sent while the
+  next block's tiles run) and ends at its owner; dQ stays. The own block is step 0, so
+  no sum is sent before it holds something: c block sends (the last one unused) and c
+  sends of dK/dV."""
+  q, k, v, mask, out, lse = residuals
+  grads = lambda block: flash.backward_tiles(
+      q, *block[:2], mask, _unpack(block[2], mask.causal_blocks), out, lse, d_out, tile)
 
   def step(carry, _):
-    block, dkv, dq = carry
-    nxt, dkv = _shift((block, dkv), names, shards)   # dkv: this block's sum so far
-    dq_s, dk, dv = flash.backward_tiles(q, *block[:2], q_mask, block[2], out, lse, d_out,
-                                        tile)
+    block, dkv, dq = carry   # dkv: the previous block's sum, with this shard's share
+    nxt, dkv = _shift((block, dkv), names, shards)   # now this block's sum so far
+    dq_s, dk, dv = grads(block)
     return (nxt, (dkv[0] + dk, dkv[1] + dv), dq + dq_s), None
-  zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
-  init = ((k, v, k_mask), (zeros(k), zeros(v)), zeros(q))
-  (_, dkv, dq), _ = jax.lax.scan(step, init, length=shards)
+  own = (k, v, _pack(mask))
+  nxt = _shift(own, names, shards)
+  dq, dk, dv = grads(own)
+  (_, dkv, dq), _ = jax.lax.scan(step, (nxt, (dk, dv), dq), length=shards - 1)
   dk, dv = _shift(dkv, names, shards)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, q_mask, k_mask, names, shards, tile):
-  return _ring_forward(q, k, v, q_mask, k_mask, names, shards, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, mask, names, shards, tile):
+  return _ring_forward(q, k, v, mask, names, shards, tile)[0]
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -167,7 +185,8 @@ def ring_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask,
                    names: tuple[str, ...]) -> Array:
   """Inside a `shard_map` over the mesh axes `names` (this shard's part of the pass):
   its queries against every shard's keys, each shard's K, V and key mask passed round
-  the ring (`ppermute`), one block a step, overlapped with the step's tiles, forward and
+  the ring (`ppermute`, the mask's vectors packed into one array), one block a step,
+  each send independent of the step's tiles so that it can overlap them, forward and
   backward (whose dK and dV ride the ring back to their owner). A device holds its own
   T / c of K and V as residuals, and two blocks in flight.
 
@@ -178,21 +197,20 @@ def ring_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask,
   tile = flash.tile_size(t, t)
   whole = -(-t // tile) * tile
   fill = lambda a: flash.pad(a, whole)
-  out = _ring(fill(q), fill(k), fill(v), mask.map(fill), mask.map(fill), names, shards, tile)
-  return out[:, :t]
+  return _ring(fill(q), fill(k), fill(v), mask.map(fill), names, shards, tile)[:, :t]
 
 
 def _local_kv_heads(k: Array, v: Array, heads: int, names: tuple[str, ...]):
-  """Inside a `shard_map` whose query heads are split over the mesh axes `names` and
-  whose kv heads are whole: the kv heads this shard's `heads` query heads read, in
-  order (no kv head repeated, unless the shard's heads straddle groups unevenly: then one
-  per query head)."""
-  kvh = k.shape[2]
-  group = jax.lax.axis_size(names) * heads // kvh if names else heads // kvh
+  """Inside a `shard_map` whose `heads` query heads a shard are split over the mesh axes
+  `names` and whose kv heads are whole (the axes do not divide them): k, v [b, t,
+  kv_heads, d] -> the kv heads this shard's query heads read, [b, t, n, d]. With the
+  shard's heads inside one group (the group a multiple of them), its one kv head (n =
+  1); with heads that straddle groups unevenly, one per query head (n = heads, the
+  only case that copies a kv head)."""
+  group = jax.lax.axis_size(names) * heads // k.shape[2]
   first = jax.lax.axis_index(names) * heads
-  if heads % group == 0 or group % heads == 0:
-    count = max(heads // group, 1)
-    take = lambda a: jax.lax.dynamic_slice_in_dim(a, first // group, count, axis=2)
+  if group % heads == 0:
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, first // group, 1, axis=2)
   else:
     take = lambda a: jnp.take(a, (first + jnp.arange(heads)) // group, axis=2)
   return take(k), take(v)
@@ -206,7 +224,7 @@ def attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
   fields), every array in the same (dealt-out) order -> [b, T, heads, d]. Batch, heads and
   positions are split as their logical axes say; where the tensor axes split the query
   heads but cannot split the kv heads alike, each shard takes the kv heads its query
-  heads read (`_local_kv_heads`) before any moves.
+  heads read (`_local_kv_heads`) before anything moves.
   """
   rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
   spec = lambda x, names: fit_spec(nn.logical_to_mesh_axes(names, rules), x.shape, mesh)

@@ -18,8 +18,9 @@ noisy stream that keeps only the blocks holding a target needs nothing else.
 The [T, T] scores are computed in [tile, tile] tiles with an online softmax (fp32 max,
 sum and accumulator, inputs in their own dtype), each tile's mask computed inside the
 tile from the vectors. Each batch row runs on its own (`lax.map`), and a tile that the
-row's mask leaves empty is skipped (`lax.switch`: no FLOPs), judged from per-tile summaries of the vectors (the ranges of segments, indices,
-positions and blocks of each stream), which hold no pair of positions; a tile that the
+row's mask leaves empty is skipped (`lax.switch`: no FLOPs), judged from per-tile
+summaries of the vectors (the ranges of segments, indices, positions and blocks of
+each stream), which hold no pair of positions; a tile that the
 mask allows whole (`_full`: one segment, keys all before the queries, say) is computed
 with no mask at all. Every head shares the row's mask, so a tile is skipped for all of
 its heads or none. Its backward is its own (`jax.custom_vjp`): the forward saves the
@@ -33,9 +34,10 @@ group of query heads; K and V are never repeated. A query that may see no key ge
 zeros.
 
 Each token carries its index in the pass, so the queries and keys need not be the whole
-pass in order: `flash_attention` takes the keys' own mask (`key_mask`), which context
-parallelism uses to attend from one shard's queries, in a load-balanced order, to every
-shard's keys (`mars_jax.models.context`).
+pass in order: `flash_attention` takes the keys' own mask (`key_mask`), and
+`forward_tiles` / `backward_tiles` run queries against one block of keys at a time,
+which context parallelism's ring uses to attend from one shard's queries, in a
+load-balanced order, to each shard's keys in turn (`mars_jax.models.context`).
 """
 
 from __future__ import annotations
@@ -229,8 +231,8 @@ def forward_tiles(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: Token
 
 
 def _forward_row(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
-  """`forward_tiles` of one row (b = 1), or of rows that skip tiles together."""
-  b, tq, h, d = q.shape
+  """`forward_tiles` of one row (b = 1)."""
+  b, d = q.shape[0], q.shape[3]
   # The masks' vectors tied to q: what the tiles compute from them then depends on q, so
   # a remat around the layer recomputes it in the backward instead of stacking every
   # tile's mask as a residual ([T, T] in all).
@@ -274,8 +276,10 @@ def _forward_row(q, k, v, q_mask: TokenMask, k_mask: TokenMask, tile: int):
 
 
 def merge_partials(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
-  """Two `forward_tiles` results of the same queries over disjoint sets of keys -> the
-  result over both (out weighted by each part's share of the softmax's sum)."""
+  """Two `forward_tiles` results of the same queries over disjoint sets of keys (out
+  float32 [nq, b, kv_heads, group, tile, d], lse [nq, b, kv_heads, group, tile] each)
+  -> the result over both, out weighted by each part's share of the softmax's sum. A
+  forward-only helper (inside a custom VJP): its gradient at two empty parts is NaN."""
   (out_a, lse_a), (out_b, lse_b) = a, b
   none = lambda lse: jnp.where(jnp.isposinf(lse), -jnp.inf, lse)   # empty: weight 0
   lse_a, lse_b = none(lse_a), none(lse_b)
@@ -319,7 +323,7 @@ def backward_tiles(q: Array, k: Array, v: Array, q_mask: TokenMask, k_mask: Toke
 def _backward_row(q, k, v, q_mask: TokenMask, k_mask: TokenMask, out, lse, d_out,
                   tile: int):
   """`backward_tiles` of one row (b = 1)."""
-  b, tq, h, d = q.shape
+  b, d = q.shape[0], q.shape[3]
   qt, kt, vt = _layout(q, k, v, tile)
   nq, nk, kvh, g = qt.shape[0], kt.shape[0], kt.shape[2], qt.shape[3]
   scale = 1.0 / jnp.sqrt(jnp.float32(d))

@@ -115,8 +115,8 @@ def merge(a: Array, shards: int, length: int) -> Array:
 
 
 def _shift(x, names: tuple[str, ...], shards: int):
-  """Every array of the tree x sent to the next shard of the ring over `names` (one
-  collective)."""
+  """Every array of the tree x sent to the next shard of the ring over `names` (a
+  ppermute per array, which the GPU compiler combines into one collective)."""
   return jax.lax.ppermute(x, names, [(s, (s + 1) % shards) for s in range(shards)])
 
 
@@ -133,42 +133,40 @@ def _unpack(packed: Array, causal_blocks: bool) -> flash.TokenMask:
 
 def _ring_forward(q, k, v, mask, names, shards, tile):
   """-> (out [b, t, h, d], residuals): the queries against each shard's block of keys
-  in turn (c - 1 steps that each send their block on while its tiles run, then the last
-  block's tiles), the partial results merged in float32."""
-  keys = lambda block: (*block[:2], mask, _unpack(block[2], mask.causal_blocks), tile)
-
+  in turn, c steps that each send their block on while its tiles run (the last send
+  brings the block home, unused), the partial results merged in float32."""
   def step(carry, _):
     block, part = carry
     nxt = _shift(block, names, shards)   # independent of this step's tiles: overlapped
-    return (nxt, flash.merge_partials(part, flash.forward_tiles(q, *keys(block)))), None
+    keys = _unpack(block[2], mask.causal_blocks)
+    return (nxt, flash.merge_partials(part, flash.forward_tiles(q, *block[:2], mask, keys,
+                                                                tile))), None
   b, _, h, d = q.shape
   shape = (q.shape[1] // tile, b, k.shape[2], h // k.shape[2], tile)
   empty = (jnp.zeros(shape + (d,), jnp.float32), jnp.full(shape, jnp.inf, jnp.float32))
-  (block, part), _ = jax.lax.scan(step, ((k, v, _pack(mask)), empty), length=shards - 1)
-  out, lse = flash.merge_partials(part, flash.forward_tiles(q, *keys(block)))
+  (_, (out, lse)), _ = jax.lax.scan(step, ((k, v, _pack(mask)), empty), length=shards)
   out = checkpoint_name(flash.untile(out, v.dtype), flash.RESIDUALS[0])
   return out, (q, k, v, mask, out, checkpoint_name(lse, flash.RESIDUALS[1]))
 
 
 def _ring_backward(names, shards, tile, residuals, d_out):
-  """The ring again: each step computes the held block's dK and dV, and adds them to
-  that block's running sum, which follows its block one step behind (sent while the
-  next block's tiles run) and ends at its owner; dQ stays. The own block is step 0, so
-  no sum is sent before it holds something: c block sends (the last one unused) and c
-  sends of dK/dV."""
+  """The ring again: each step computes the held block's dK and dV and adds them to
+  that block's running sum (float32), which follows its block one step behind (sent
+  while the next block's tiles run) and, after a last send, ends at its owner; dQ
+  stays. c sends of the blocks (the last unused) and c + 1 of the sums (the first
+  carries zeros): uniform steps, one copy of the tiles' code in the program."""
   q, k, v, mask, out, lse = residuals
-  grads = lambda block: flash.backward_tiles(
-      q, *block[:2], mask, _unpack(block[2], mask.causal_blocks), out, lse, d_out, tile)
 
   def step(carry, _):
     block, dkv, dq = carry   # dkv: the previous block's sum, with this shard's share
     nxt, dkv = _shift((block, dkv), names, shards)   # now this block's sum so far
-    dq_s, dk, dv = grads(block)
+    dq_s, dk, dv = flash.backward_tiles(q, *block[:2], mask,
+                                        _unpack(block[2], mask.causal_blocks), out, lse,
+                                        d_out, tile)
     return (nxt, (dkv[0] + dk, dkv[1] + dv), dq + dq_s), None
-  own = (k, v, _pack(mask))
-  nxt = _shift(own, names, shards)
-  dq, dk, dv = grads(own)
-  (_, dkv, dq), _ = jax.lax.scan(step, (nxt, (dk, dv), dq), length=shards - 1)
+  zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
+  init = ((k, v, _pack(mask)), (zeros(k), zeros(v)), zeros(q))
+  (_, dkv, dq), _ = jax.lax.scan(step, init, length=shards)
   dk, dv = _shift(dkv, names, shards)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

@@ -126,6 +126,7 @@ def _pack(mask: flash.TokenMask) -> Array:
 
 
 def _unpack(packed: Array, causal_blocks: bool) -> flash.TokenMask:
+  """`_pack`'s int32[5, b, t] -> the TokenMask ([b, t] fields)."""
   segment, noisy, position, block, index = packed
   return flash.TokenMask(segment, noisy.astype(bool), position, block, index,
                          causal_blocks=causal_blocks)

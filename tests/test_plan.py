@@ -14,10 +14,13 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mars_jax.benchmarks import plan
+from mars_jax.models import context, flash
 from mars_jax.parallel import hardware, sharding
 from mars_jax.training import config as train_config, step as train_step
 from mars_jax.training.optimizer import make_optimizer
@@ -161,9 +164,6 @@ def test_the_kv_ring_sends_overlap_the_tiles_on_gpu():
   an H100 node's chips (context 4, 4096 positions): every step's collective-permute
   starts before the step's tile loop and is waited for after it, forward and backward,
   and nothing is all-gathered."""
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  from mars_jax.models import context, flash
   needs("h100-8")
   devices = hardware.compile_devices(hardware.parse_topology("h100-8"))[:4]
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1, context=4), devices)

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from test_flash import random_rows
+from jax.sharding import NamedSharding, PartitionSpec as P
+from test_flash import random_rows, two_stream_mask
 
 from mars_jax.parallel import sharding
 from mars_jax.training import objective, optimizer, step as train_step
-from mars_jax.models import qwen2
+from mars_jax.models import attention, context, flash, qwen2
 
 # Tight numerical comparisons: .ci/run runs them again at XLA's default optimisation level.
 pytestmark = pytest.mark.parity
@@ -195,9 +195,6 @@ def ring_attention_vs_dense():
   """Child process body: `context.attention` (the K/V ring) over MARS passes dealt out
   on context meshes vs the dense attention on one device: loss and gradient differences
   of q, k, v, and whether its jaxpr passes K/V by `ppermute` and gathers nothing."""
-  from jax.sharding import NamedSharding
-  from test_flash import two_stream_mask
-  from mars_jax.models import attention, context, flash
   out = []
   for length, stream, layout, heads, rows in RING_CASES:
     mask = two_stream_mask(random_rows(rows, length, seed=5), 4, "causal",

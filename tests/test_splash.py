@@ -10,7 +10,7 @@ import pytest
 
 from mars_jax.parallel import sharding
 from mars_jax.training import masks, objective, optimizer, step as train_step
-from mars_jax.models import attention, qwen2, splash
+from mars_jax.models import attention, flash, qwen2, splash
 
 from test_objective import MASK, random_params, tiny_config
 
@@ -93,6 +93,59 @@ def test_splash_skips_empty_blocks_and_keeps_blind_queries_finite(monkeypatch):
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in g_out)
   scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
   assert max_tree_diff(g_ref, g_out) < TOL * scale
+
+
+def _packed_mars_mask(intra_block):
+  """Three packed rows of 300 tokens (one, two and three segments, padding at the ends,
+  random block offsets), their MARS pass with a target stream of 171: 471 positions."""
+  rng = np.random.default_rng(1)
+  segs = np.zeros((3, 300), np.int32)
+  segs[0, :140], segs[0, 140:280], segs[1] = 1, 2, 5
+  segs[2, :30], segs[2, 30:61], segs[2, 61:100] = 1, 2, 3
+  batch = {"tokens": np.zeros(segs.shape, np.int32), "segment_ids": segs,
+           "loss_mask": (segs != 0) & (rng.random(segs.shape) < 0.6),
+           "block_offset": rng.integers(0, 4, 3).astype(np.int32)}
+  return objective.two_stream_token_mask(batch, block_size=4, stream_length=171,
+                                         intra_block=intra_block)
+
+
+@pytest.mark.parametrize("intra_block", ["causal", "bidirectional"])
+def test_splash_from_token_vectors_equals_flash_and_falls_back(intra_block, monkeypatch):
+  """`token_splash_attention` (the kernel interpreted, 128-wide blocks: 471 positions in
+  4 x 4 blocks, empty, partial and full, packed MARS rows with padding) equals `flash_attention` and the dense
+  "xla" attention, outputs and gradients, with its block table and partial blocks read
+  off the per-token vectors, nothing [t, t] in its program; a batch with a row of more
+  partial blocks than its capacity runs flash instead."""
+  monkeypatch.setattr(splash, "MAX_BLOCK", 128)
+  mask = _packed_mars_mask(intra_block)
+  b, t = mask.segment.shape
+  kinds = np.asarray(splash.block_kinds(mask.map(lambda a: flash.pad(a, 512)), 128))
+  partial = (kinds == 1).sum(axis=(1, 2))
+  assert t == 471 and kinds.shape == (3, 4, 4) and (kinds == 0).any() and (kinds == 2).any()
+  assert 4 < max(partial) <= splash.partial_capacity(4)
+  q, k, v = (jax.random.normal(key, (b, t, n, 16)) for key, n in
+             zip(jax.random.split(jax.random.key(0), 3), (4, 2, 2)))
+  live = (mask.segment != 0)[:, :, None, None]
+  loss = lambda fn: lambda *qkv: jnp.sum(jnp.where(live, fn(*qkv, mask), 0.0) ** 2
+                                         * jnp.cos(jnp.arange(16)))
+  ref = flash.flash_attention(q, k, v, mask)
+  g_ref = jax.grad(loss(flash.flash_attention), (0, 1, 2))(q, k, v)
+  dense = attention.attention(q, k, v, flash.dense_mask(mask), "xla")
+  real_flash = flash.flash_attention
+  monkeypatch.setattr(flash, "flash_attention", lambda *a, **kw: jnp.full(q.shape, jnp.nan))
+  jaxpr = str(jax.make_jaxpr(splash.token_splash_attention)(q, k, v, mask))
+  assert f"{t},{t}]" not in jaxpr and "512,512]" not in jaxpr
+  out = jax.jit(splash.token_splash_attention)(q, k, v, mask)   # the kernel: flash is NaN
+  assert float(jnp.max(jnp.abs(out - ref))) < TOL
+  assert float(jnp.max(jnp.abs(jnp.where(live, out - dense, 0.0)))) < TOL
+  g_out = jax.jit(jax.grad(loss(splash.token_splash_attention), (0, 1, 2)))(q, k, v)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
+  assert max_tree_diff(g_ref, g_out) < TOL * scale
+  monkeypatch.setattr(splash, "PARTIAL_PER_TILE", 1)   # capacity 4: a row exceeds it
+  fresh = lambda: jax.jit(lambda *a: splash.token_splash_attention(*a))  # traced anew
+  assert bool(jnp.all(jnp.isnan(fresh()(q, k, v, mask))))
+  monkeypatch.setattr(flash, "flash_attention", real_flash)
+  assert max_tree_diff(fresh()(q, k, v, mask), ref) == 0.0
 
 
 def test_auto_is_xla_on_cpu():

@@ -8,6 +8,7 @@ and its output are described in mars_jax/plan.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from mars_jax.training import config as train_config, masks, objective
 from mars_jax.training import step as ts
 from mars_jax.benchmarks.step import train_flops
 from mars_jax.decoding import loop, mesh as decode_mesh
-from mars_jax.models import attention, context, flash, qwen2
+from mars_jax.models import attention, context, flash, qwen2, splash
 from mars_jax.training.optimizer import make_optimizer
 
 
@@ -223,14 +224,25 @@ def decode_plan(cfg, config, topology: hardware.Topology, devices, *, batch: int
 def attention_check(topology: hardware.Topology, devices, *, length: int = 256) -> dict:
   """Which attention implementations compile for the chip on a MARS two-stream mask
   (B = 4, [2 * length] positions, bf16, one chip): {impl: "compiles" | the compiler's or
-  jax's first line of refusal}. TPU: splash and xla; GPU: cudnn and xla."""
+  jax's first line of refusal}. TPU: splash and xla given the mask drawn out, and
+  "splash-tokens", the loss's gradient through splash with its block table read off
+  the mask's per-token vectors (as training runs it); GPU: cudnn and xla."""
   where = jax.sharding.SingleDeviceSharding(devices[0])
   qkv = jax.ShapeDtypeStruct((1, 2 * length, 8, 128), jnp.bfloat16, sharding=where)
   mask = masks.two_stream_mask(length, 4)[None]
-  impls = ("splash", "xla") if topology.chip.platform == "tpu" else ("cudnn", "xla")
+  row = {"tokens": np.zeros((1, length), np.int32), "loss_mask": np.ones((1, length), bool)}
+  tokens = objective.two_stream_token_mask(row, block_size=4)
+
+  def run(impl, q, k, v):
+    if impl == "splash-tokens":
+      return jax.grad(lambda *a: jnp.sum(splash.token_splash_attention(*a, tokens)
+                                         .astype(jnp.float32)), (0, 1, 2))(q, k, v)
+    return attention.attention(q, k, v, mask, impl)
+  impls = (("splash", "splash-tokens", "xla") if topology.chip.platform == "tpu"
+           else ("cudnn", "xla"))
   out = {}
   for impl in impls:
-    fn = jax.jit(lambda q, k, v, impl=impl: attention.attention(q, k, v, mask, impl))
+    fn = jax.jit(functools.partial(run, impl))
     try:
       fn.lower(qkv, qkv, qkv).compile()
       out[impl] = "compiles"
@@ -320,7 +332,7 @@ def plan(cfg, config_name: str, topology_name: str, *, decode: tuple[int, int, i
                        "kind": cfg.objective.kind}
     report["train"] = _plain(fit_train(cfg, config, topology, devices, search=search))
     report["flops"] = train_figures(cfg, config, topology)
-    if attention.keeps_token_mask(cfg.model.attention_impl, report["flops"][
+    if attention.runs_flash(cfg.model.attention_impl, report["flops"][
         "positions_per_row"]) or cfg.mesh.context > 1:
       report["attention_work"] = attention_work(cfg, report["train"]["mesh"]["context"])
   if decode:

@@ -14,7 +14,7 @@ from mars_jax.models import context, flash, splash
 Array = jax.Array
 Spans = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # see `span_attention`
 CACHE_CHUNK = 64  # cache slots `cached_attention` reads per block
-FLASH_FROM = 4096  # positions from which "auto" runs the blockwise attention off TPU
+FLASH_FROM = 4096  # positions from which "auto" runs the blockwise attention
 
 
 def _queries_head_major(q: Array, kv_heads: int) -> Array:
@@ -74,29 +74,45 @@ def dense(mask: Array | flash.TokenMask) -> Array:
   return flash.dense_mask(mask) if isinstance(mask, flash.TokenMask) else mask
 
 
-def keeps_token_mask(impl: str, length: int) -> bool:
-  """Whether an uncached pass of `length` positions under `impl` runs its attention from
-  the mask per token (`flash.TokenMask`, blockwise), never drawing it out whole: "flash"
-  always, "auto" from FLASH_FROM positions on, on every backend (on TPU, splash below
-  them: its mask is a [T, T] array)."""
+def keeps_token_mask(impl: str) -> bool:
+  """Whether an uncached pass under `impl` takes its mask per token
+  (`flash.TokenMask`) into every layer rather than drawn out once, bool[b, t, t]:
+  "flash" and "splash", which never draw it; "auto", which runs "flash" from FLASH_FROM
+  positions on, and below them splash from the vectors on TPU and "xla" elsewhere, which
+  draws it inside each layer (`uncached_attention`)."""
+  return impl in ("flash", "splash", "auto")
+
+
+def runs_flash(impl: str, length: int) -> bool:
+  """Whether an uncached pass of `length` positions under `impl` runs
+  `flash.flash_attention`, on every backend: "flash", and "auto" from FLASH_FROM on."""
   return impl == "flash" or (impl == "auto" and length >= FLASH_FROM)
 
 
 def uncached_attention(q: Array, k: Array, v: Array, mask: Array | flash.TokenMask,
                        impl: str, spans: Spans | None) -> Array:
   """`attention` of an uncached pass as `impl` says, span by span where "xla" has
-  `spans` (`span_attention`); "flash" is `flash.flash_attention` over a
-  `flash.TokenMask`; "auto" is "flash" given a TokenMask (`keeps_token_mask`: a long
-  pass) and, given a dense mask, "splash" where the computation is lowered for TPU and
-  "xla" on every other backend (`jax.lax.platform_dependent`). The other impls take the mask
-  whole (bool[b, t, t], or a TokenMask drawn out by `dense`); "flash" given a dense
-  mask (a pass that built one, e.g. decoding's prefill) is "xla". Under context
-  parallelism (`context.size() > 1`) a TokenMask pass is `context.attention`, whatever
-  `impl` says."""
-  if isinstance(mask, flash.TokenMask) and context.size() > 1:
-    return context.attention(q, k, v, mask)
-  if isinstance(mask, flash.TokenMask) and impl in ("flash", "auto"):
-    return flash.flash_attention(q, k, v, mask)
+  `spans` (`span_attention`). Given a `flash.TokenMask`: "flash" is
+  `flash.flash_attention`; "splash" is `splash.token_splash_attention`; "auto" is
+  "flash" from FLASH_FROM positions on (`runs_flash`) and below them
+  "splash" where the computation is lowered for TPU and "xla" on every other backend
+  (`jax.lax.platform_dependent`), the mask drawn out there. Given a dense mask (a pass
+  that built one, e.g. decoding's prefill), "auto" is splash on TPU and "xla"
+  elsewhere, and "flash" is "xla". The other impls take the mask whole (bool[b, t, t],
+  or a TokenMask drawn out by `dense`). Under context parallelism (`context.size() >
+  1`) a TokenMask pass is `context.attention`, whatever `impl` says."""
+  if isinstance(mask, flash.TokenMask):
+    if context.size() > 1:
+      return context.attention(q, k, v, mask)
+    if runs_flash(impl, q.shape[1]):
+      return flash.flash_attention(q, k, v, mask)
+    if impl == "splash":
+      return splash.token_splash_attention(q, k, v, mask)
+    if impl == "auto":
+      return jax.lax.platform_dependent(
+          q, k, v, mask, tpu=splash.token_splash_attention,
+          default=lambda *a: uncached_attention(*a[:3], dense(a[3]), impl="xla",
+                                                spans=spans))
   impl = "xla" if impl == "flash" else impl
   mask = dense(mask)
   if impl == "auto":

@@ -152,10 +152,10 @@ def _nonempty(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool)
 
 
 def _full(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
-  """Whether the mask allows every pair of query tile i and key tile j in every row
-  (then the tile needs no mask): both tiles one segment, and clean keys at or before
-  every clean query, clean keys of earlier blocks than every noisy query, or noisy keys
-  of the noisy queries' one block (at or before each, `causal_blocks`): bool[]."""
+  """Whether the mask allows every pair of query tile i and key tile j (then the tile
+  needs no mask), per row: both tiles one segment, and clean keys at or before every
+  clean query, clean keys of earlier blocks than every noisy query, or noisy keys of
+  the noisy queries' one block (at or before each, `causal_blocks`): bool[b]."""
   at = lambda s, n: (s[0][:, n], s[1][:, n])
   one = lambda a, c: (a[0] == a[1]) & (a[0] == c[0]) & (c[0] == c[1])
   qc, kc, qn, kn = q.all_clean[:, i], k.all_clean[:, j], q.all_noisy[:, i], k.all_noisy[:, j]
@@ -167,15 +167,15 @@ def _full(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> 
            & one(at(q.noisy_block, i), at(k.noisy_block, j)))
   if causal_blocks:
     noisy &= at(k.noisy_pos, j)[1] <= at(q.noisy_pos, i)[0]
-  return jnp.all(clean | cross | noisy)
+  return clean | cross | noisy
 
 
 def _kind(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
   """int32[]: 0 skip tile (i, j) (`_nonempty` in no row), 1 compute it masked, 2 compute
-  it with no mask (`_full`). The tiles run one row at a time (`forward_tiles`), so
-  "no row" is that row's own."""
+  it with no mask (`_full` in every row). The tiles run one row at a time
+  (`forward_tiles`), so "no row" and "every row" are that row's own."""
   return jnp.where(jnp.any(_nonempty(q, i, k, j, causal_blocks)),
-                   jnp.where(_full(q, i, k, j, causal_blocks), 2, 1), 0)
+                   jnp.where(jnp.all(_full(q, i, k, j, causal_blocks)), 2, 1), 0)
 
 
 def _tile_mask(mask: TokenMask, n: Array, tile: int) -> TokenMask:
@@ -427,18 +427,33 @@ def flash_attention(q: Array, k: Array, v: Array, mask: TokenMask, *,
   return _attention(q, k, v, mask, key_mask, tile)[:, :tq]
 
 
+def tile_kinds(mask: TokenMask, key_mask: TokenMask | None = None, *,
+               tile: int = TILE) -> Array:
+  """Each row's tile pairs as the blockwise attention treats them: int32[b, nq, nk], 0
+  where query tile i and key tile j hold no allowed pair (skipped), 2 where the mask
+  allows every pair (computed with no mask), 1 elsewhere (computed masked). Fields are
+  padded to whole tiles (segment 0); nq, nk: the tiles of the queries and the keys.
+  From the per-tile summaries alone: nothing [t, t] is built. Splash's block table
+  (`mars_jax.models.splash`) reads its own tiles the same way."""
+  key_mask = mask if key_mask is None else key_mask
+  whole = lambda m: m.map(lambda a: pad(a, -(-a.shape[1] // tile) * tile))
+  q_sum, k_sum = _summary(whole(mask), tile), _summary(whole(key_mask), tile)
+  nq, nk = q_sum.clean_seg[0].shape[1], k_sum.clean_seg[0].shape[1]
+
+  def pair(i, j):
+    nonempty = _nonempty(q_sum, i, k_sum, j, mask.causal_blocks)
+    return jnp.where(nonempty, jnp.where(_full(q_sum, i, k_sum, j, mask.causal_blocks), 2, 1),
+                     0)
+  kinds = jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(jnp.arange(nq), jnp.arange(nk))
+  return kinds.transpose(2, 0, 1).astype(jnp.int32)   # [nq, nk, b] -> [b, nq, nk]
+
+
 def tile_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,
                tile: int = TILE) -> Array:
   """How many [tile, tile] tiles of scores `flash_attention` computes for these queries
   and keys (every tile pair of every row, less those it skips): int32[]. Its attention
   FLOPs are 4 * tile^2 * head_dim * heads per tile pair forward, twice that backward."""
-  key_mask = mask if key_mask is None else key_mask
-  whole = lambda m: m.map(lambda a: pad(a, -(-a.shape[1] // tile) * tile))
-  q_sum, k_sum = _summary(whole(mask), tile), _summary(whole(key_mask), tile)
-  nq, nk = q_sum.clean_seg[0].shape[1], k_sum.clean_seg[0].shape[1]
-  pair = lambda i, j: _nonempty(q_sum, i, k_sum, j, mask.causal_blocks)
-  run = jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(jnp.arange(nq), jnp.arange(nk))
-  return jnp.sum(run, dtype=jnp.int32)   # [nq, nk, b]: each row's own skipping
+  return jnp.sum(tile_kinds(mask, key_mask, tile=tile) > 0, dtype=jnp.int32)
 
 
 def allowed_pairs(mask: TokenMask, key_mask: TokenMask | None = None, *,

@@ -242,7 +242,7 @@ class Qwen2ForCausalLM(nn.Module):
       tokens, positions, attn_mask = split(tokens), split(positions), attn_mask.map(split)
     if dropout_rows is not None:   # [b] -> each token's ids, read off the mask as laid out
       dropout_rows = dropout_ids(dropout_rows, attn_mask, tokens.shape[1])
-    if shards == 1 and not attention.keeps_token_mask(self.runtime.attention_impl, length):
+    if shards == 1 and not attention.keeps_token_mask(self.runtime.attention_impl):
       attn_mask = attention.dense(attn_mask)  # drawn out once, not in every layer
     x = self.embed(tokens)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
@@ -314,9 +314,9 @@ def forward_hidden(config: Qwen2Config, params, tokens: Array, positions: Array,
                    spans: Spans | None = None, dropout_rng: Array | None = None,
                    dropout_rows: Array | None = None) -> Array:
   """Final-normed hidden states [b, t, embed] of an uncached pass (for chunked losses);
-  attn_mask as `forward`'s. A `flash.TokenMask` is never drawn out whole where the
-  attention takes it per token (`attention.keeps_token_mask`: "flash", and "auto" on
-  long passes); elsewhere it is drawn out once, bool[b, t, t].
+  attn_mask as `forward`'s. A `flash.TokenMask` goes into every layer where the
+  attention takes it per token (`attention.keeps_token_mask`: "flash", "splash" and
+  "auto"); elsewhere it is drawn out once, bool[b, t, t].
   spans: static query/key spans that hold every key the mask allows (`span_attention`).
   dropout_rng: the LoRA adapters' dropout (`runtime.lora`, training); None: none.
   dropout_rows: uint32[b], each row's id in its tokens' dropout masks (`dropout_ids`)."""

@@ -1,15 +1,13 @@
 """Splash attention: JAX's Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.
-splash_attention`) behind the contract of `attention.attention`.
+splash_attention`) behind the contract of `attention.attention`, and from a pass's mask
+per token (`token_splash_attention`, a `flash.TokenMask`) with nothing [t, t] built.
 
 The kernel tiles the [t, s] score matrix into [block_q, block_kv] blocks and reads a
 block-sparse mask: each block is empty (skipped: no K/V fetched, no FLOPs), full (no
-mask applied) or partial (its [block_q, block_kv] slice of the mask applied). The
-boolean mask of a pass, data-dependent in MARS (packed segments, random block
-offsets, a compacted target stream), goes in as a dynamic mask, from which the kernel
-derives that block table at run time (`make_splash_mha` on a `jax.Array` mask). One
-mask serves every head. A two-stream pass over [clean (L = 512) | noisy target stream
-(n = 256)], one segment, causal blocks, drawn in 128-wide tiles (rows are query tiles;
-"." empty, "#" full, "+" partial):
+mask applied) or partial (its [block_q, block_kv] slice of the mask applied). A
+two-stream pass over [clean (L = 512) | noisy target stream (n = 256)], one segment,
+causal blocks, drawn in 128-wide tiles (rows are query tiles; "." empty, "#" full, "+"
+partial):
 
               clean keys      noisy keys
     clean     + . . .         . .            causal: upper triangle skipped
@@ -20,10 +18,22 @@ mask serves every head. A two-stream pass over [clean (L = 512) | noisy target s
               # # # +         . +            noisy slots of the own block: the rest
                                              skipped (targets at positions 259..510)
 
+Two ways in:
+- `splash_attention` takes a boolean mask bool[b, t, s] (e.g. decoding's prefill), from
+  which the kernel derives that block table at run time (`make_splash_mha` on a
+  `jax.Array` mask, which keeps every block of the mask as a partial block: [t, s]).
+- `token_splash_attention` takes the per-token vectors of a training or scoring pass.
+  Its block table is read off the vectors' per-tile summaries (`flash.tile_kinds`), and
+  only the partial blocks are drawn, each from its tiles' vectors, at most
+  PARTIAL_PER_TILE per query tile (`partial_capacity`): a row's mask costs at most
+  4 * t * block bits, linear in t. A batch with a row that has more partial blocks runs
+  `flash.flash_attention` instead (`lax.cond`), which needs no table at all.
+
 Batch rows have masks of their own, so the kernel runs once per row (`vmap`, which
 Pallas lowers to a loop over the rows). t and s are padded to whole tiles inside; a
 query that may see no key is given key 0, so the kernel's softmax never divides by
-zero (its output is finite and counts nowhere, as in "xla").
+zero: from a dense mask its output is key 0's value, finite and counted nowhere (as in
+"xla"); from per-token vectors it is then set to zeros, as `flash` gives.
 
 The kernel is Mosaic TPU code: the backend that the computation is lowered for picks
 the real kernel (TPU) or Pallas' interpreter (anything else, e.g. CPU tests),
@@ -42,16 +52,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 
+from mars_jax.models import flash
 from mars_jax.models.layers import fit_spec
 
 Array = jax.Array
 MAX_BLOCK = 512  # tile of the q and kv axes on long sequences
 LANES = 128  # the kernel's tiles are multiples of the TPU lane width
+PARTIAL_PER_TILE = 4  # partial blocks drawn per query tile from per-token vectors
 
 Q_AXES = ("activation_batch", "activation_heads", None, None)
 KV_AXES = ("activation_batch", "activation_kv_heads", None, None)
-MASK_AXES = ("activation_batch", None, None)
 
 
 def block_size(length: int) -> int:
@@ -80,14 +92,17 @@ def kernel_mask(mask: Array, q_len: int, kv_len: int) -> Array:
   return mask.at[:, :, 0].set(mask[:, :, 0] | blind)
 
 
+def _block_sizes(block_q: int, block_kv: int) -> sk.BlockSizes:
+  return sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_q_dkv=block_q,
+                       block_kv_dkv=block_kv, block_q_dq=block_q, block_kv_dq=block_kv)
+
+
 def _row_attention(q: Array, k: Array, v: Array, mask: Array, *, block_q: int,
                    block_kv: int, interpret: bool) -> Array:
   """One batch row. q: [heads, tq, d]; k, v: [kv_heads, ts, d]; mask: bool[tq, ts]
   (tq, ts whole tiles) -> [heads, tq, d]."""
-  sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_q_dkv=block_q,
-                        block_kv_dkv=block_kv, block_q_dq=block_q, block_kv_dq=block_kv)
-  kernel = sk.make_splash_mha(mask[None], block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+  kernel = sk.make_splash_mha(mask[None], block_sizes=_block_sizes(block_q, block_kv),
+                              head_shards=1, q_seq_shards=1, interpret=interpret)
   return _with_static_flag(kernel)(q, k, v)
 
 
@@ -110,21 +125,28 @@ def _local_attention(q: Array, k: Array, v: Array, mask: Array, *, block_q: int,
   return jax.lax.platform_dependent(q, k, v, mask, tpu=rows(False), default=rows(True))
 
 
-def _sharded(fn, q: Array, k: Array, v: Array, mask: Array) -> Array:
+def _sharded(fn, q: Array, k: Array, v: Array, *masks: Array) -> Array:
   """fn over the shards of the mesh bound by `sharding.activation_sharding` (batch and
   heads split as their logical axes say), or over the whole arrays without one.
-  q: [b, heads, tq, d]; k, v: [b, kv_heads, ts, d]; mask: bool[b, tq, ts]."""
+  q: [b, heads, tq, d]; k, v: [b, kv_heads, ts, d]; masks: [b, ...] each (split by
+  batch only)."""
   rules, mesh = nn.get_logical_axis_rules(), jax.sharding.get_abstract_mesh()
   if not rules or mesh.empty or mesh.size == 1:
-    return fn(q, k, v, mask)
+    return fn(q, k, v, *masks)
   spec = lambda x, axes: fit_spec(nn.logical_to_mesh_axes(axes, rules), x.shape, mesh)
   q_spec, kv_spec = spec(q, Q_AXES), spec(k, KV_AXES)
   if kv_spec[1] != q_spec[1]:  # kv heads not split like the query heads: one per head
     k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
     kv_spec = q_spec
-  in_specs = (q_spec, kv_spec, kv_spec, spec(mask, MASK_AXES))
+  in_specs = (q_spec, kv_spec, kv_spec,
+              *(spec(m, ("activation_batch",) + (None,) * (m.ndim - 1)) for m in masks))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
-                       check_vma=False)(q, k, v, mask)
+                       check_vma=False)(q, k, v, *masks)
+
+
+def _head_major(x: Array, length: int) -> Array:
+  """[b, t, heads, d] -> [b, heads, length, d], zeros after t."""
+  return _pad_to(x, 1, length).transpose(0, 2, 1, 3)
 
 
 def splash_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -139,8 +161,117 @@ def splash_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
   t, d, s = q.shape[1], q.shape[3], k.shape[1]
   block_q, block_kv = block_size(t), block_size(s)
   q_len, kv_len = -(-t // block_q) * block_q, -(-s // block_kv) * block_kv
-  head_major = lambda x, length: _pad_to(x, 1, length).transpose(0, 2, 1, 3)
   out = _sharded(functools.partial(_local_attention, block_q=block_q, block_kv=block_kv),
-                 head_major(q / jnp.sqrt(d).astype(q.dtype), q_len), head_major(k, kv_len),
-                 head_major(v, kv_len), kernel_mask(mask, q_len, kv_len))
+                 _head_major(q / jnp.sqrt(d).astype(q.dtype), q_len), _head_major(k, kv_len),
+                 _head_major(v, kv_len), kernel_mask(mask, q_len, kv_len))
   return out[:, :, :t].transpose(0, 2, 1, 3)
+
+
+def partial_capacity(tiles: int) -> int:
+  """How many partial blocks a row's table holds, drawn from per-token vectors, for a
+  pass of `tiles` tiles a side: PARTIAL_PER_TILE per query tile (all of them when that
+  is more than every block). A MARS pass over packed chats needs about 3 per tile."""
+  return min(tiles * tiles, PARTIAL_PER_TILE * tiles)
+
+
+def block_kinds(mask: flash.TokenMask, block: int) -> Array:
+  """The kernel's block table of each row: int32[b, n, n] (n = t / block, fields padded
+  to whole blocks), 0 empty, 1 partial, 2 full (`flash.tile_kinds`), with block (i, 0)
+  partial where query tile i holds a query that sees no key (padding: it is given key
+  0, `kernel_mask`)."""
+  kinds = flash.tile_kinds(mask, tile=block)
+  b, n = kinds.shape[:2]
+  blind = jnp.any((mask.segment == 0).reshape(b, n, block), axis=-1)
+  return kinds.at[:, :, 0].set(jnp.where(blind, jnp.maximum(kinds[:, :, 0], 1),
+                                         kinds[:, :, 0]))
+
+
+def _partial_blocks(kinds: Array, fields: tuple[Array, ...], *, block: int, capacity: int,
+                    causal_blocks: bool) -> tuple[Array, Array]:
+  """One row's partial blocks, drawn from its tiles' vectors. kinds: int32[n, n];
+  fields: the TokenMask's vectors, [n * block] each -> (mask_next int32[n, n]: each
+  partial block's slot, 0 elsewhere; blocks bool[capacity, block, block]: the mask of
+  each slot, queries by keys; slots past the row's partial blocks are block (0, 0)'s,
+  never read)."""
+  n = kinds.shape[0]
+  partial = (kinds == 1).reshape(-1)
+  mask_next = jnp.where(partial, jnp.cumsum(partial, dtype=jnp.int32) - 1, 0).reshape(n, n)
+  at = jnp.nonzero(partial, size=capacity, fill_value=0)[0]
+  qi, kj = at // n, at % n
+  tiles = lambda where: flash.TokenMask(*(a.reshape(n, block)[where] for a in fields),
+                                        causal_blocks=causal_blocks)
+  queries = tiles(qi)
+  key_zero = kj[:, None] * block + jnp.arange(block) == 0
+  blind = (queries.segment == 0)[:, :, None] & key_zero[:, None, :]
+  return mask_next, flash.allowed(queries, tiles(kj)) | blind
+
+
+def _token_row(q: Array, k: Array, v: Array, kinds: Array, *fields: Array, block: int,
+               capacity: int, causal_blocks: bool, interpret: bool) -> Array:
+  """One batch row from its per-token vectors. q: [heads, tq, d] (scaled); k, v:
+  [kv_heads, tq, d]; kinds: int32[n, n] (`block_kinds`); fields: [tq] each (tq = n *
+  block) -> [heads, tq, d].
+
+  The three tables the kernel reads (forward, dQ and dK/dV), as `make_splash_mha` lays
+  out those of a dynamic mask (one head's, [1, n, n]): the block kinds, the next block
+  to fetch (its key tile forward and for dQ, its query tile for dK/dV, 0 where empty),
+  the partial block's slot, and the partial blocks (transposed for dK/dV)."""
+  mask_next, blocks = _partial_blocks(kinds, fields, block=block, capacity=capacity,
+                                      causal_blocks=causal_blocks)
+  n = kinds.shape[0]
+  tile = jnp.arange(n, dtype=jnp.int32)
+  info = lambda data_next, partial_blocks: mi.MaskInfo(
+      data_next=jnp.where(kinds == 0, 0, data_next)[None], mask_next=mask_next[None],
+      block_mask=kinds[None], partial_mask_blocks=partial_blocks, q_sequence=None,
+      is_dynamic_mask=True)
+  forward = info(tile[None, :], blocks)
+  kernel = sk.SplashAttentionKernel(
+      forward, forward, info(tile[:, None], blocks.swapaxes(-1, -2)),
+      block_sizes=_block_sizes(block, block), is_mqa=False, save_residuals=False,
+      mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
+      residual_checkpoint_name=None, mask_function=None, interpret=interpret)
+  return kernel(q, k, v)
+
+
+def _token_local(q: Array, k: Array, v: Array, kinds: Array, *fields: Array, block: int,
+                 capacity: int, causal_blocks: bool) -> Array:
+  """q: [b, heads, tq, d]; k, v: [b, kv_heads, tq, d]; kinds: int32[b, n, n]; fields:
+  [b, tq] each -> [b, heads, tq, d]: the TPU kernel where lowered for TPU, interpreted
+  elsewhere."""
+  def rows(interpret):
+    return jax.vmap(functools.partial(_token_row, block=block, capacity=capacity,
+                                      causal_blocks=causal_blocks, interpret=interpret))
+  return jax.lax.platform_dependent(q, k, v, kinds, *fields, tpu=rows(False),
+                                    default=rows(True))
+
+
+def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
+  """Grouped-query attention over the pass that `mask` describes, through the splash
+  kernel, its block table and partial blocks drawn from the per-token vectors (nothing
+  [t, t]); a batch with a row of more partial blocks than `partial_capacity` runs
+  `flash.flash_attention`.
+
+  q: [b, t, heads, d]; k, v: [b, t, kv_heads, d] (self-attention over one pass);
+  mask: [b, t] fields -> [b, t, heads, d] in q's dtype. A query that may see no key
+  (padding) gets zeros, as `flash.flash_attention` gives.
+  """
+  t, d = q.shape[1], q.shape[3]
+  block = block_size(t)
+  n = -(-t // block)
+  padded = mask.map(lambda a: flash.pad(a, n * block))
+  kinds = block_kinds(padded, block)
+  capacity = partial_capacity(n)
+  fits = jnp.all(jnp.sum(kinds == 1, axis=(1, 2)) <= capacity)
+
+  def kernel(q, k, v):
+    local = functools.partial(_token_local, block=block, capacity=capacity,
+                              causal_blocks=mask.causal_blocks)
+    out = _sharded(local, _head_major(q / jnp.sqrt(d).astype(q.dtype), n * block),
+                   _head_major(k, n * block), _head_major(v, n * block), kinds,
+                   *padded.fields())
+    out = out[:, :, :t].transpose(0, 2, 1, 3)
+    return jnp.where((mask.segment != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+  def fallback(q, k, v):
+    return flash.flash_attention(q, k, v, mask).astype(q.dtype)
+  return jax.lax.cond(fits, kernel, fallback, q, k, v)

@@ -112,17 +112,17 @@ def _packed_mars_mask(intra_block):
 @pytest.mark.parametrize("intra_block", ["causal", "bidirectional"])
 def test_splash_from_token_vectors_equals_flash_and_falls_back(intra_block, monkeypatch):
   """`token_splash_attention` (the kernel interpreted, 128-wide blocks: 471 positions in
-  4 x 4 blocks, empty, partial and full, packed MARS rows with padding) equals `flash_attention` and the dense
-  "xla" attention, outputs and gradients, with its block table and partial blocks read
-  off the per-token vectors, nothing [t, t] in its program; a batch with a row of more
-  partial blocks than its capacity runs flash instead."""
+  4 x 4 blocks, empty, partial and full, packed MARS rows with padding) equals
+  `flash_attention` and the dense "xla" attention, outputs and gradients, its block
+  table and partial blocks read off the per-token vectors, nothing [t, t] in its
+  program: with room for every block, and with a capacity under lax.cond; a batch with
+  a row of more partial blocks than the capacity runs flash instead."""
   monkeypatch.setattr(splash, "MAX_BLOCK", 128)
   mask = _packed_mars_mask(intra_block)
   b, t = mask.segment.shape
   kinds = np.asarray(splash.block_kinds(mask.map(lambda a: flash.pad(a, 512)), 128))
   partial = (kinds == 1).sum(axis=(1, 2))
   assert t == 471 and kinds.shape == (3, 4, 4) and (kinds == 0).any() and (kinds == 2).any()
-  assert 4 < max(partial) <= splash.partial_capacity(4)
   q, k, v = (jax.random.normal(key, (b, t, n, 16)) for key, n in
              zip(jax.random.split(jax.random.key(0), 3), (4, 2, 2)))
   live = (mask.segment != 0)[:, :, None, None]
@@ -130,19 +130,25 @@ def test_splash_from_token_vectors_equals_flash_and_falls_back(intra_block, monk
                                          * jnp.cos(jnp.arange(16)))
   ref = flash.flash_attention(q, k, v, mask)
   g_ref = jax.grad(loss(flash.flash_attention), (0, 1, 2))(q, k, v)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
   dense = attention.attention(q, k, v, flash.dense_mask(mask), "xla")
   real_flash = flash.flash_attention
   monkeypatch.setattr(flash, "flash_attention", lambda *a, **kw: jnp.full(q.shape, jnp.nan))
-  jaxpr = str(jax.make_jaxpr(splash.token_splash_attention)(q, k, v, mask))
-  assert f"{t},{t}]" not in jaxpr and "512,512]" not in jaxpr
-  out = jax.jit(splash.token_splash_attention)(q, k, v, mask)   # the kernel: flash is NaN
-  assert float(jnp.max(jnp.abs(out - ref))) < TOL
-  assert float(jnp.max(jnp.abs(jnp.where(live, out - dense, 0.0)))) < TOL
-  g_out = jax.jit(jax.grad(loss(splash.token_splash_attention), (0, 1, 2)))(q, k, v)
-  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
-  assert max_tree_diff(g_ref, g_out) < TOL * scale
-  monkeypatch.setattr(splash, "PARTIAL_PER_TILE", 1)   # capacity 4: a row exceeds it
   fresh = lambda: jax.jit(lambda *a: splash.token_splash_attention(*a))  # traced anew
+  # room for every block (the default up to 8 tiles), then 3 a tile under lax.cond
+  for whole, per_tile in ((splash.WHOLE_TABLE_TILES, splash.PARTIAL_PER_TILE), (2, 3)):
+    monkeypatch.setattr(splash, "WHOLE_TABLE_TILES", whole)
+    monkeypatch.setattr(splash, "PARTIAL_PER_TILE", per_tile)
+    assert 4 < max(partial) <= splash.partial_capacity(4) == (16 if whole >= 4 else 12)
+    jaxpr = str(jax.make_jaxpr(splash.token_splash_attention)(q, k, v, mask))
+    assert f"{t},{t}]" not in jaxpr and "512,512]" not in jaxpr
+    out = fresh()(q, k, v, mask)   # the kernel: flash would give NaN
+    assert float(jnp.max(jnp.abs(out - ref))) < TOL
+    assert float(jnp.max(jnp.abs(jnp.where(live, out - dense, 0.0)))) < TOL
+    g_out = jax.jit(jax.grad(loss(lambda *a: splash.token_splash_attention(*a)),
+                             (0, 1, 2)))(q, k, v)
+    assert max_tree_diff(g_ref, g_out) < TOL * scale
+  monkeypatch.setattr(splash, "PARTIAL_PER_TILE", 1)   # capacity 4: a row exceeds it
   assert bool(jnp.all(jnp.isnan(fresh()(q, k, v, mask))))
   monkeypatch.setattr(flash, "flash_attention", real_flash)
   assert max_tree_diff(fresh()(q, k, v, mask), ref) == 0.0

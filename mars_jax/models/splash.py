@@ -24,10 +24,11 @@ Two ways in:
   `jax.Array` mask, which keeps every block of the mask as a partial block: [t, s]).
 - `token_splash_attention` takes the per-token vectors of a training or scoring pass.
   Its block table is read off the vectors' per-tile summaries (`flash.tile_kinds`), and
-  only the partial blocks are drawn, each from its tiles' vectors, at most
-  PARTIAL_PER_TILE per query tile (`partial_capacity`): a row's mask costs at most
-  4 * t * block bits, linear in t. A batch with a row that has more partial blocks runs
-  `flash.flash_attention` instead (`lax.cond`), which needs no table at all.
+  only the partial blocks are drawn, each from its tiles' vectors, into a table with
+  room for every block up to 4096 positions and for PARTIAL_PER_TILE a query tile
+  beyond (`partial_capacity`): 4 * t * block bits, linear in t. A batch with a row of
+  more partial blocks runs `flash.flash_attention` instead (`lax.cond`), which needs
+  no table at all.
 
 Batch rows have masks of their own, so the kernel runs once per row (`vmap`, which
 Pallas lowers to a loop over the rows). t and s are padded to whole tiles inside; a
@@ -60,7 +61,8 @@ from mars_jax.models.layers import fit_spec
 Array = jax.Array
 MAX_BLOCK = 512  # tile of the q and kv axes on long sequences
 LANES = 128  # the kernel's tiles are multiples of the TPU lane width
-PARTIAL_PER_TILE = 4  # partial blocks drawn per query tile from per-token vectors
+WHOLE_TABLE_TILES = 8  # up to this many tiles a side, room for every block to be partial
+PARTIAL_PER_TILE = 4  # beyond it, partial blocks drawn per query tile
 
 Q_AXES = ("activation_batch", "activation_heads", None, None)
 KV_AXES = ("activation_batch", "activation_kv_heads", None, None)
@@ -169,8 +171,18 @@ def splash_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
 def partial_capacity(tiles: int) -> int:
   """How many partial blocks a row's table holds, drawn from per-token vectors, for a
-  pass of `tiles` tiles a side: PARTIAL_PER_TILE per query tile (all of them when that
-  is more than every block). A MARS pass over packed chats needs about 3 per tile."""
+  pass of `tiles` tiles a side: every block up to WHOLE_TABLE_TILES tiles (4096
+  positions in 512-wide blocks: 16 MiB a row at most, and no row can overflow), then
+  PARTIAL_PER_TILE per query tile, linear in the pass. A MARS pass over packed chats
+  needs about 3 per tile.
+
+  Below WHOLE_TABLE_TILES a capacity with a fallback costs more than it saves: the
+  fallback's `lax.cond` keeps both branches' residuals, or recomputes the forward.
+  Planned for v5p-8 (Qwen2.5-0.5B, MARS, 3000 positions, remat "none"), the train
+  step's temporaries were 79.5 GiB with room for every block and 81.8 GiB with 4 per
+  tile and the fallback (84.9 GiB without recomputing)."""
+  if tiles <= WHOLE_TABLE_TILES:
+    return tiles * tiles
   return min(tiles * tiles, PARTIAL_PER_TILE * tiles)
 
 
@@ -261,7 +273,6 @@ def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) 
   padded = mask.map(lambda a: flash.pad(a, n * block))
   kinds = block_kinds(padded, block)
   capacity = partial_capacity(n)
-  fits = jnp.all(jnp.sum(kinds == 1, axis=(1, 2)) <= capacity)
 
   def kernel(q, k, v):
     local = functools.partial(_token_local, block=block, capacity=capacity,
@@ -272,6 +283,15 @@ def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) 
     out = out[:, :, :t].transpose(0, 2, 1, 3)
     return jnp.where((mask.segment != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
-  def fallback(q, k, v):
-    return flash.flash_attention(q, k, v, mask).astype(q.dtype)
-  return jax.lax.cond(fits, kernel, fallback, q, k, v)
+  if capacity == n * n:   # every block fits: no row can overflow
+    return kernel(q, k, v)
+
+  # lax.cond's gradient keeps both branches' residuals whichever runs (splash's and
+  # flash's outputs and log-sum-exps, q/k/v in both layouts): saving none of them, and
+  # running the chosen forward again in the backward, costs less memory
+  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+  def either(q, k, v):
+    fallback = lambda q, k, v: flash.flash_attention(q, k, v, mask).astype(q.dtype)
+    return jax.lax.cond(jnp.all(jnp.sum(kinds == 1, axis=(1, 2)) <= capacity), kernel,
+                        fallback, q, k, v)
+  return either(q, k, v)

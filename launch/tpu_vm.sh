@@ -15,7 +15,10 @@ Usage: launch/tpu_vm.sh --name NAME --zone ZONE [--type v5p-32] [--version RUNTI
 3. runs `python -m mars_jax.train <train args>` on all workers at once
    (--worker=all); JAX detects the TPU slice, so no coordinator flags are needed;
 4. copies each worker's log to --logdir; --delete removes the slice at the end.
---dry-run prints every gcloud command instead of running it.
+--dry-run prints every gcloud command instead of running it. LIBTPU_INIT_ARGS, set
+where this script runs, is set for the train command on every worker, e.g. the
+scheduler flag that overlaps context parallelism's ring sends at head size 128
+(docs/long_rows.md): LIBTPU_INIT_ARGS=--xla_tpu_enable_all_experimental_scheduler_features=true
 
 Preemption (spot or preemptible slices, maintenance; docs/preemption.md): every
 worker's process gets SIGTERM, they save a checkpoint at the same step and exit
@@ -54,7 +57,11 @@ gc=(gcloud compute tpus tpu-vm)
 scope=(--zone "$zone"); [[ -n "$project" ]] && scope+=(--project "$project")
 run() { if [[ $dry == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi; }
 
-train="set -o pipefail; cd mars_jax && python -m mars_jax.train"
+train="set -o pipefail; cd mars_jax && "
+if [[ -n "${LIBTPU_INIT_ARGS:-}" ]]; then   # the TPU compiler's flags, on every worker
+  train+="LIBTPU_INIT_ARGS=$(printf '%q' "$LIBTPU_INIT_ARGS") "
+fi
+train+="python -m mars_jax.train"
 for a in "$@"; do train+=" $(printf '%q' "$a")"; done
 train+=" 2>&1 | (trap '' TERM; exec tee -p \$HOME/mars_train_\$(hostname).log)"
 install="cd mars_jax && pip install -q -r requirements.txt && pip install -q -U 'jax[tpu]>=0.11'"

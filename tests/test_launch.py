@@ -56,6 +56,12 @@ def test_tpu_dry_run():
   assert any("--worker=all" in l and "mars_jax.train" in l and "configs/x.py" in l
              for l in lines)
   assert lines[-1].startswith("gcloud compute tpus tpu-vm delete mars")
+  assert "LIBTPU_INIT_ARGS" not in out
+  flags = "--xla_tpu_enable_all_experimental_scheduler_features=true --xla_a=1"
+  out = run("tpu_vm.sh", "--name", "mars", "--zone", "z", "--dry-run", "--",
+            "--config", "configs/x.py", env={"LIBTPU_INIT_ARGS": flags})
+  train = next(l for l in out.splitlines() if "mars_jax.train" in l)
+  assert "LIBTPU_INIT_ARGS=--xla_tpu_enable_all_experimental_scheduler_features=true" in train
 
 
 def test_device_check_dry_run(tmp_path):

@@ -159,13 +159,12 @@ def _scheduled(hlo: str) -> dict[str, list[str]]:
   return order
 
 
-def test_the_kv_ring_sends_overlap_the_tiles_on_gpu():
-  """The ring's sends (`context.ring_attention`) compiled by the GPU compiler for 4 of
-  an H100 node's chips (context 4, 4096 positions): every step's collective-permute
-  starts before the step's tile loop and is waited for after it, forward and backward,
-  and nothing is all-gathered."""
-  needs("h100-8")
-  devices = hardware.compile_devices(hardware.parse_topology("h100-8"))[:4]
+def ring_steps(topology_name: str, head_dim: int) -> list[list[str]]:
+  """The ring's gradient (`context.ring_attention`, context 4, 4096 positions, 8 / 2
+  heads) compiled for 4 chips of the topology -> each ring step's computation (one
+  forward, one backward) as its collective-permute starts, dones and while loops in
+  schedule order. Raises if anything is all-gathered."""
+  devices = hardware.compile_devices(hardware.parse_topology(topology_name))[:4]
   mesh = sharding.make_mesh(sharding.MeshConfig(data=1, context=4), devices)
   mask = flash.causal(jnp.ones((1, 4096), jnp.int32))
 
@@ -173,17 +172,45 @@ def test_the_kv_ring_sends_overlap_the_tiles_on_gpu():
     with sharding.activation_sharding(mesh):
       return jnp.sum(context.attention(q, k, v, mask).astype(jnp.float32))
   where = NamedSharding(mesh, P(None, "context"))
-  args = [jax.ShapeDtypeStruct((1, 4096, n, 64), jnp.bfloat16, sharding=where)
+  args = [jax.ShapeDtypeStruct((1, 4096, n, head_dim), jnp.bfloat16, sharding=where)
           for n in (8, 2, 2)]
   hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile().as_text()
   assert "all-gather" not in hlo
-  steps = [ops for name, ops in _scheduled(hlo).items() if name != "ENTRY"   # its send:
-           and "collective-permute-start" in ops and "while" in ops]   # dK/dV home
-  assert len(steps) == 2, _scheduled(hlo)   # the forward ring's step and the backward's
+  return [ops for name, ops in _scheduled(hlo).items() if name != "ENTRY"   # its send:
+          and "collective-permute-start" in ops and "while" in ops]   # dK/dV home
+
+
+def assert_sends_overlap(steps: list[list[str]]) -> None:
+  """Every step's sends start before its tile loop and are waited for after it."""
+  assert len(steps) == 2, steps   # the forward ring's step and the backward's
   for ops in steps:
     loop = ops.index("while")
     assert all(i < loop for i, op in enumerate(ops) if op == "collective-permute-start"), ops
     assert all(i > loop for i, op in enumerate(ops) if op == "collective-permute-done"), ops
+
+
+def test_the_kv_ring_sends_overlap_the_tiles_on_gpu():
+  """The ring's sends compiled by the GPU compiler for 4 of an H100 node's chips: every
+  step's collective-permute starts before the step's tile loop and is waited for after
+  it, forward and backward, and nothing is all-gathered."""
+  needs("h100-8")
+  assert_sends_overlap(ring_steps("h100-8", 64))
+
+
+@pytest.mark.e2e  # a fresh process: libtpu reads its flags once
+def test_the_kv_ring_sends_overlap_on_tpu_with_the_scheduler_flag():
+  """At Qwen's head size (128) the TPU compiler (v5p) overlaps the ring's sends with its
+  tiles under LIBTPU_INIT_ARGS=--xla_tpu_enable_all_experimental_scheduler_features=true,
+  the setting docs/long_rows.md and launch/tpu_vm.sh name (without it, it schedules them
+  after the tile loop)."""
+  needs("v5p-8")
+  code = "import json, test_plan; print(json.dumps(test_plan.ring_steps('v5p-8', 128)))"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+         "LIBTPU_INIT_ARGS": "--xla_tpu_enable_all_experimental_scheduler_features=true"}
+  r = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "tests"), env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert_sends_overlap(json.loads(r.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.e2e  # whole programs through the TPU/GPU compilers

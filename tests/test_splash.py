@@ -115,12 +115,14 @@ def test_splash_from_token_vectors_equals_flash_and_falls_back(intra_block, monk
   4 x 4 blocks, empty, partial and full, packed MARS rows with padding) equals
   `flash_attention` and the dense "xla" attention, outputs and gradients, its block
   table and partial blocks read off the per-token vectors, nothing [t, t] in its
-  program: with room for every block, and with a capacity under lax.cond; a batch with
-  a row of more partial blocks than the capacity runs flash instead."""
+  program (its table has a slot for every block up to 8 tiles a side, as many entries
+  as the padded mask, but no [t, t] mask is drawn): with room for every block, and with
+  a capacity under lax.cond; a batch with a row of more partial blocks than the
+  capacity runs flash instead, gradients too."""
   monkeypatch.setattr(splash, "MAX_BLOCK", 128)
   mask = _packed_mars_mask(intra_block)
   b, t = mask.segment.shape
-  kinds = np.asarray(splash.block_kinds(mask.map(lambda a: flash.pad(a, 512)), 128))
+  kinds = np.asarray(splash.block_kinds(mask, 128))   # padded to 512 inside
   partial = (kinds == 1).sum(axis=(1, 2))
   assert t == 471 and kinds.shape == (3, 4, 4) and (kinds == 0).any() and (kinds == 2).any()
   q, k, v = (jax.random.normal(key, (b, t, n, 16)) for key, n in
@@ -152,6 +154,9 @@ def test_splash_from_token_vectors_equals_flash_and_falls_back(intra_block, monk
   assert bool(jnp.all(jnp.isnan(fresh()(q, k, v, mask))))
   monkeypatch.setattr(flash, "flash_attention", real_flash)
   assert max_tree_diff(fresh()(q, k, v, mask), ref) == 0.0
+  g_out = jax.jit(jax.grad(loss(lambda *a: splash.token_splash_attention(*a)),
+                           (0, 1, 2)))(q, k, v)
+  assert max_tree_diff(g_ref, g_out) == 0.0
 
 
 def test_auto_is_xla_on_cpu():

@@ -226,11 +226,13 @@ def attention_check(topology: hardware.Topology, devices, *, length: int = 256) 
   (B = 4, [2 * length] positions, bf16, one chip): {impl: "compiles" | the compiler's or
   jax's first line of refusal}. TPU: splash and xla given the mask drawn out, and
   "splash-tokens", the loss's gradient through splash with its block table read off
-  the mask's per-token vectors (as training runs it); GPU: cudnn and xla."""
+  the mask's per-token vectors (as training runs it), over rows of 4 * length tokens
+  (8 * length positions: 4 x 4 blocks of 512 at the default); GPU: cudnn and xla."""
   where = jax.sharding.SingleDeviceSharding(devices[0])
-  qkv = jax.ShapeDtypeStruct((1, 2 * length, 8, 128), jnp.bfloat16, sharding=where)
+  shape = lambda t: jax.ShapeDtypeStruct((1, t, 8, 128), jnp.bfloat16, sharding=where)
   mask = masks.two_stream_mask(length, 4)[None]
-  row = {"tokens": np.zeros((1, length), np.int32), "loss_mask": np.ones((1, length), bool)}
+  row = {"tokens": np.zeros((1, 4 * length), np.int32),
+         "loss_mask": np.ones((1, 4 * length), bool)}
   tokens = objective.two_stream_token_mask(row, block_size=4)
 
   def run(impl, q, k, v):
@@ -243,6 +245,7 @@ def attention_check(topology: hardware.Topology, devices, *, length: int = 256) 
   out = {}
   for impl in impls:
     fn = jax.jit(functools.partial(run, impl))
+    qkv = shape(tokens.segment.shape[1] if impl == "splash-tokens" else 2 * length)
     try:
       fn.lower(qkv, qkv, qkv).compile()
       out[impl] = "compiles"

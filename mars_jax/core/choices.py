@@ -11,9 +11,9 @@
   AttentionImpl  "xla" (einsum), "dot_product_attention" (`jax.nn.dot_product_attention`),
                  "cudnn" (the same, forced to cuDNN), "splash" (JAX's Pallas TPU
                  splash kernel, `mars_jax.models.splash`), "flash" (blockwise, the
-                 mask from per-token vectors, `mars_jax.models.flash`), "auto" (splash
-                 where the step is compiled for TPU; elsewhere "flash" from 4096
-                 positions a pass on, "xla" below)
+                 mask from per-token vectors, `mars_jax.models.flash`), "auto" ("flash"
+                 from 4096 positions a pass on; below them splash where the step is
+                 compiled for TPU, "xla" elsewhere)
 
 Signatures annotate with these types; the entry points that take a choice from a
 user (configs, CLIs, `sampling.generate`) call `check`, whose error names the

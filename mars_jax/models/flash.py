@@ -170,12 +170,19 @@ def _full(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> 
   return clean | cross | noisy
 
 
+def _row_kinds(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
+  """int32[b]: per row, 0 where tile (i, j) holds no allowed pair (`_nonempty`), 2 where
+  the mask allows all of it (`_full`), 1 elsewhere."""
+  return jnp.where(_nonempty(q, i, k, j, causal_blocks),
+                   jnp.where(_full(q, i, k, j, causal_blocks), 2, 1), 0)
+
+
 def _kind(q: _Summary, i: Array, k: _Summary, j: Array, causal_blocks: bool) -> Array:
-  """int32[]: 0 skip tile (i, j) (`_nonempty` in no row), 1 compute it masked, 2 compute
-  it with no mask (`_full` in every row). The tiles run one row at a time
-  (`forward_tiles`), so "no row" and "every row" are that row's own."""
-  return jnp.where(jnp.any(_nonempty(q, i, k, j, causal_blocks)),
-                   jnp.where(jnp.all(_full(q, i, k, j, causal_blocks)), 2, 1), 0)
+  """int32[]: 0 skip tile (i, j) (empty in every row), 2 compute it with no mask (full in
+  every row), 1 compute it masked. The tiles run one row at a time (`forward_tiles`),
+  so "every row" is that row alone."""
+  rows = _row_kinds(q, i, k, j, causal_blocks)
+  return jnp.where(jnp.all(rows == 2), 2, jnp.where(jnp.any(rows > 0), 1, 0))
 
 
 def _tile_mask(mask: TokenMask, n: Array, tile: int) -> TokenMask:
@@ -439,11 +446,7 @@ def tile_kinds(mask: TokenMask, key_mask: TokenMask | None = None, *,
   whole = lambda m: m.map(lambda a: pad(a, -(-a.shape[1] // tile) * tile))
   q_sum, k_sum = _summary(whole(mask), tile), _summary(whole(key_mask), tile)
   nq, nk = q_sum.clean_seg[0].shape[1], k_sum.clean_seg[0].shape[1]
-
-  def pair(i, j):
-    nonempty = _nonempty(q_sum, i, k_sum, j, mask.causal_blocks)
-    return jnp.where(nonempty, jnp.where(_full(q_sum, i, k_sum, j, mask.causal_blocks), 2, 1),
-                     0)
+  pair = lambda i, j: _row_kinds(q_sum, i, k_sum, j, mask.causal_blocks)
   kinds = jax.vmap(jax.vmap(pair, (None, 0)), (0, None))(jnp.arange(nq), jnp.arange(nk))
   return kinds.transpose(2, 0, 1).astype(jnp.int32)   # [nq, nk, b] -> [b, nq, nk]
 

@@ -1,6 +1,6 @@
 """Splash attention: JAX's Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.
 splash_attention`) behind the contract of `attention.attention`, and from a pass's mask
-per token (`token_splash_attention`, a `flash.TokenMask`) with nothing [t, t] built.
+per token (`token_splash_attention`, a `flash.TokenMask`) with no [t, t] mask built.
 
 The kernel tiles the [t, s] score matrix into [block_q, block_kv] blocks and reads a
 block-sparse mask: each block is empty (skipped: no K/V fetched, no FLOPs), full (no
@@ -25,10 +25,11 @@ Two ways in:
 - `token_splash_attention` takes the per-token vectors of a training or scoring pass.
   Its block table is read off the vectors' per-tile summaries (`flash.tile_kinds`), and
   only the partial blocks are drawn, each from its tiles' vectors, into a table with
-  room for every block up to 4096 positions and for PARTIAL_PER_TILE a query tile
-  beyond (`partial_capacity`): 4 * t * block bits, linear in t. A batch with a row of
-  more partial blocks runs `flash.flash_attention` instead (`lax.cond`), which needs
-  no table at all.
+  a slot for every block up to 4096 positions (as many entries as the padded [t, t]
+  mask, though no such mask is built) and PARTIAL_PER_TILE slots a query tile beyond,
+  linear in t (`partial_capacity` says what a slot costs). A batch with a row of more
+  partial blocks runs `flash.flash_attention` instead (`lax.cond`), which needs no
+  table at all.
 
 Batch rows have masks of their own, so the kernel runs once per row (`vmap`, which
 Pallas lowers to a loop over the rows). t and s are padded to whole tiles inside; a
@@ -52,8 +53,8 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 
 from mars_jax.models import flash
 from mars_jax.models.layers import fit_spec
@@ -117,14 +118,11 @@ def _with_static_flag(kernel: sk.SplashAttentionKernel) -> sk.SplashAttentionKer
                                   flag(kernel.dkv_mask_info), **kernel.kwargs)
 
 
-def _local_attention(q: Array, k: Array, v: Array, mask: Array, *, block_q: int,
-                     block_kv: int) -> Array:
-  """q: [b, heads, tq, d]; k, v: [b, kv_heads, ts, d]; mask: bool[b, tq, ts]
-  -> [b, heads, tq, d]: the TPU kernel where lowered for TPU, interpreted elsewhere."""
-  def rows(interpret):
-    return jax.vmap(functools.partial(_row_attention, block_q=block_q, block_kv=block_kv,
-                                      interpret=interpret))
-  return jax.lax.platform_dependent(q, k, v, mask, tpu=rows(False), default=rows(True))
+def _rows_on_backend(row, *args: Array, **static) -> Array:
+  """`row` (one batch row, `interpret` a keyword) over the rows of args ([b, ...] each,
+  `vmap`): the TPU kernel where lowered for TPU, interpreted elsewhere."""
+  rows = lambda interpret: jax.vmap(functools.partial(row, interpret=interpret, **static))
+  return jax.lax.platform_dependent(*args, tpu=rows(False), default=rows(True))
 
 
 def _sharded(fn, q: Array, k: Array, v: Array, *masks: Array) -> Array:
@@ -146,9 +144,18 @@ def _sharded(fn, q: Array, k: Array, v: Array, *masks: Array) -> Array:
                        check_vma=False)(q, k, v, *masks)
 
 
-def _head_major(x: Array, length: int) -> Array:
-  """[b, t, heads, d] -> [b, heads, length, d], zeros after t."""
-  return _pad_to(x, 1, length).transpose(0, 2, 1, 3)
+def _through_kernel(row, q: Array, k: Array, v: Array, *masks: Array, q_len: int,
+                    kv_len: int, **static) -> Array:
+  """q: [b, t, heads, d]; k, v: [b, s, kv_heads, d] -> [b, t, heads, d]: the queries
+  scaled by 1 / sqrt(d) (as "xla" scales them), q, k and v laid out head-major and
+  padded to q_len / kv_len, `row` run over the batch rows with `masks` ([b, ...] each,
+  already padded) on every shard (`_sharded`, `_rows_on_backend`)."""
+  t, d = q.shape[1], q.shape[3]
+  head_major = lambda x, length: _pad_to(x, 1, length).transpose(0, 2, 1, 3)
+  local = lambda *a: _rows_on_backend(row, *a, **static)
+  out = _sharded(local, head_major(q / jnp.sqrt(d).astype(q.dtype), q_len),
+                 head_major(k, kv_len), head_major(v, kv_len), *masks)
+  return out[:, :, :t].transpose(0, 2, 1, 3)
 
 
 def splash_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -160,21 +167,24 @@ def splash_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
   "xla" scales them. A query whose mask row is all False gets a finite output (key
   0's value), never NaN.
   """
-  t, d, s = q.shape[1], q.shape[3], k.shape[1]
+  t, s = q.shape[1], k.shape[1]
   block_q, block_kv = block_size(t), block_size(s)
   q_len, kv_len = -(-t // block_q) * block_q, -(-s // block_kv) * block_kv
-  out = _sharded(functools.partial(_local_attention, block_q=block_q, block_kv=block_kv),
-                 _head_major(q / jnp.sqrt(d).astype(q.dtype), q_len), _head_major(k, kv_len),
-                 _head_major(v, kv_len), kernel_mask(mask, q_len, kv_len))
-  return out[:, :, :t].transpose(0, 2, 1, 3)
+  return _through_kernel(_row_attention, q, k, v, kernel_mask(mask, q_len, kv_len),
+                         q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv)
 
 
 def partial_capacity(tiles: int) -> int:
   """How many partial blocks a row's table holds, drawn from per-token vectors, for a
   pass of `tiles` tiles a side: every block up to WHOLE_TABLE_TILES tiles (4096
-  positions in 512-wide blocks: 16 MiB a row at most, and no row can overflow), then
-  PARTIAL_PER_TILE per query tile, linear in the pass. A MARS pass over packed chats
-  needs about 3 per tile.
+  positions in 512-wide blocks), so that no row can overflow; then PARTIAL_PER_TILE per
+  query tile, linear in the pass. A MARS pass over packed chats needs about 3 per tile.
+
+  What a slot costs: the kernel takes the blocks as bool, which Pallas hands to the TPU
+  as int32, and keeps two copies (forward, and transposed for dK/dV): 2 x 4 x block^2
+  bytes, 2 MiB at block 512. Up to 8 tiles that is 2 x 4 x T^2 bytes a row (128 MiB at
+  4096 positions; the dense path, which also draws the mask, needs more), beyond it
+  2 x 4 x 4 x T x block bytes.
 
   Below WHOLE_TABLE_TILES a capacity with a fallback costs more than it saves: the
   fallback's `lax.cond` keeps both branches' residuals, or recomputes the forward.
@@ -187,13 +197,13 @@ def partial_capacity(tiles: int) -> int:
 
 
 def block_kinds(mask: flash.TokenMask, block: int) -> Array:
-  """The kernel's block table of each row: int32[b, n, n] (n = t / block, fields padded
-  to whole blocks), 0 empty, 1 partial, 2 full (`flash.tile_kinds`), with block (i, 0)
-  partial where query tile i holds a query that sees no key (padding: it is given key
-  0, `kernel_mask`)."""
+  """The kernel's block table of each row: int32[b, n, n] (fields [b, t], padded here to
+  n = ceil(t / block) whole blocks with segment 0), 0 empty, 1 partial, 2 full
+  (`flash.tile_kinds`), with block (i, 0) partial where query tile i holds a query that
+  sees no key (padding: it is given key 0, `kernel_mask`)."""
   kinds = flash.tile_kinds(mask, tile=block)
   b, n = kinds.shape[:2]
-  blind = jnp.any((mask.segment == 0).reshape(b, n, block), axis=-1)
+  blind = jnp.any((flash.pad(mask.segment, n * block) == 0).reshape(b, n, block), axis=-1)
   return kinds.at[:, :, 0].set(jnp.where(blind, jnp.maximum(kinds[:, :, 0], 1),
                                          kinds[:, :, 0]))
 
@@ -226,48 +236,41 @@ def _token_row(q: Array, k: Array, v: Array, kinds: Array, *fields: Array, block
 
   The three tables the kernel reads (forward, dQ and dK/dV), as `make_splash_mha` lays
   out those of a dynamic mask (one head's, [1, n, n]): the block kinds, the next block
-  to fetch (its key tile forward and for dQ, its query tile for dK/dV, 0 where empty),
-  the partial block's slot, and the partial blocks (transposed for dK/dV)."""
+  to fetch (its key tile forward and for dQ, its query tile for dK/dV), the partial
+  block's slot, and the partial blocks (transposed for dK/dV). Everything else (the
+  kernel's options, the tables' other fields) comes from a kernel that
+  `make_splash_mha` makes for one full block, so the call follows the library's own
+  arguments."""
   mask_next, blocks = _partial_blocks(kinds, fields, block=block, capacity=capacity,
                                       causal_blocks=causal_blocks)
-  n = kinds.shape[0]
-  tile = jnp.arange(n, dtype=jnp.int32)
-  info = lambda data_next, partial_blocks: mi.MaskInfo(
+  template = sk.make_splash_mha(np.ones((1, block, block), bool),
+                                block_sizes=_block_sizes(block, block), head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
+  tile = jnp.arange(kinds.shape[0], dtype=jnp.int32)
+  info = lambda like, data_next, partial_blocks: like._replace(
       data_next=jnp.where(kinds == 0, 0, data_next)[None], mask_next=mask_next[None],
       block_mask=kinds[None], partial_mask_blocks=partial_blocks, q_sequence=None,
       is_dynamic_mask=True)
-  forward = info(tile[None, :], blocks)
   kernel = sk.SplashAttentionKernel(
-      forward, forward, info(tile[:, None], blocks.swapaxes(-1, -2)),
-      block_sizes=_block_sizes(block, block), is_mqa=False, save_residuals=False,
-      mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
-      residual_checkpoint_name=None, mask_function=None, interpret=interpret)
+      info(template.fwd_mask_info, tile[None, :], blocks),
+      info(template.dq_mask_info, tile[None, :], blocks),
+      info(template.dkv_mask_info, tile[:, None], blocks.swapaxes(-1, -2)),
+      **template.kwargs)
   return kernel(q, k, v)
-
-
-def _token_local(q: Array, k: Array, v: Array, kinds: Array, *fields: Array, block: int,
-                 capacity: int, causal_blocks: bool) -> Array:
-  """q: [b, heads, tq, d]; k, v: [b, kv_heads, tq, d]; kinds: int32[b, n, n]; fields:
-  [b, tq] each -> [b, heads, tq, d]: the TPU kernel where lowered for TPU, interpreted
-  elsewhere."""
-  def rows(interpret):
-    return jax.vmap(functools.partial(_token_row, block=block, capacity=capacity,
-                                      causal_blocks=causal_blocks, interpret=interpret))
-  return jax.lax.platform_dependent(q, k, v, kinds, *fields, tpu=rows(False),
-                                    default=rows(True))
 
 
 def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) -> Array:
   """Grouped-query attention over the pass that `mask` describes, through the splash
-  kernel, its block table and partial blocks drawn from the per-token vectors (nothing
-  [t, t]); a batch with a row of more partial blocks than `partial_capacity` runs
-  `flash.flash_attention`.
+  kernel, its block table read off the per-token vectors and only its partial blocks
+  drawn from them (no [t, t] mask is built; up to 4096 positions the table has a slot
+  for every block, `partial_capacity`); a batch with a row of more partial blocks than
+  the table holds runs `flash.flash_attention`.
 
   q: [b, t, heads, d]; k, v: [b, t, kv_heads, d] (self-attention over one pass);
   mask: [b, t] fields -> [b, t, heads, d] in q's dtype. A query that may see no key
   (padding) gets zeros, as `flash.flash_attention` gives.
   """
-  t, d = q.shape[1], q.shape[3]
+  t = q.shape[1]
   block = block_size(t)
   n = -(-t // block)
   padded = mask.map(lambda a: flash.pad(a, n * block))
@@ -275,14 +278,10 @@ def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) 
   capacity = partial_capacity(n)
 
   def kernel(q, k, v):
-    local = functools.partial(_token_local, block=block, capacity=capacity,
-                              causal_blocks=mask.causal_blocks)
-    out = _sharded(local, _head_major(q / jnp.sqrt(d).astype(q.dtype), n * block),
-                   _head_major(k, n * block), _head_major(v, n * block), kinds,
-                   *padded.fields())
-    out = out[:, :, :t].transpose(0, 2, 1, 3)
+    out = _through_kernel(_token_row, q, k, v, kinds, *padded.fields(), q_len=n * block,
+                          kv_len=n * block, block=block, capacity=capacity,
+                          causal_blocks=mask.causal_blocks)
     return jnp.where((mask.segment != 0)[:, :, None, None], out, 0).astype(q.dtype)
-
   if capacity == n * n:   # every block fits: no row can overflow
     return kernel(q, k, v)
 

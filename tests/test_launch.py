@@ -1,6 +1,7 @@
 """Launch scripts (--help, --dry-run) and the distributed start-up plan."""
 
 import os
+import shlex
 import subprocess
 
 import pytest
@@ -48,7 +49,8 @@ def test_slurm_dry_run():
 
 def test_tpu_dry_run():
   out = run("tpu_vm.sh", "--name", "mars", "--zone", "us-east5-a", "--type", "v5p-16",
-            "--project", "p", "--delete", "--dry-run", "--", "--config", "configs/x.py")
+            "--project", "p", "--delete", "--dry-run", "--", "--config", "configs/x.py",
+            env={"LIBTPU_INIT_ARGS": ""})
   lines = out.splitlines()
   assert lines[0].startswith("gcloud compute tpus tpu-vm create mars --zone us-east5-a "
                              "--project p --accelerator-type v5p-16")
@@ -60,8 +62,10 @@ def test_tpu_dry_run():
   flags = "--xla_tpu_enable_all_experimental_scheduler_features=true --xla_a=1"
   out = run("tpu_vm.sh", "--name", "mars", "--zone", "z", "--dry-run", "--",
             "--config", "configs/x.py", env={"LIBTPU_INIT_ARGS": flags})
-  train = next(l for l in out.splitlines() if "mars_jax.train" in l)
-  assert "LIBTPU_INIT_ARGS=--xla_tpu_enable_all_experimental_scheduler_features=true" in train
+  argv = shlex.split(next(l for l in out.splitlines() if "mars_jax.train" in l))
+  remote = argv[argv.index("--command") + 1].split(" && ", 1)[1]
+  assert shlex.split(remote)[:4] == ["LIBTPU_INIT_ARGS=" + flags, "python", "-m",
+                                     "mars_jax.train"]
 
 
 def test_device_check_dry_run(tmp_path):

@@ -237,10 +237,10 @@ def _token_row(q: Array, k: Array, v: Array, kinds: Array, *fields: Array, block
   The three tables the kernel reads (forward, dQ and dK/dV), as `make_splash_mha` lays
   out those of a dynamic mask (one head's, [1, n, n]): the block kinds, the next block
   to fetch (its key tile forward and for dQ, its query tile for dK/dV), the partial
-  block's slot, and the partial blocks (transposed for dK/dV). Everything else (the
-  kernel's options, the tables' other fields) comes from a kernel that
-  `make_splash_mha` makes for one full block, so the call follows the library's own
-  arguments."""
+  block's slot, and the partial blocks (transposed for dK/dV), int32 where
+  `make_splash_mha` would shrink the small tables to int8 or int16 (3 x 4 x n^2 bytes
+  of the TPU's scalar memory a call). The kernel's options (`template.kwargs`) come
+  from a kernel that `make_splash_mha` makes for one full block."""
   mask_next, blocks = _partial_blocks(kinds, fields, block=block, capacity=capacity,
                                       causal_blocks=causal_blocks)
   template = sk.make_splash_mha(np.ones((1, block, block), bool),
@@ -274,7 +274,7 @@ def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) 
   block = block_size(t)
   n = -(-t // block)
   padded = mask.map(lambda a: flash.pad(a, n * block))
-  kinds = block_kinds(padded, block)
+  kinds = block_kinds(mask, block)
   capacity = partial_capacity(n)
 
   def kernel(q, k, v):
@@ -282,6 +282,7 @@ def token_splash_attention(q: Array, k: Array, v: Array, mask: flash.TokenMask) 
                           kv_len=n * block, block=block, capacity=capacity,
                           causal_blocks=mask.causal_blocks)
     return jnp.where((mask.segment != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
   if capacity == n * n:   # every block fits: no row can overflow
     return kernel(q, k, v)
 
